@@ -1,0 +1,148 @@
+"""Typed configuration: the dataclass schemas Hydra validates every config against.
+
+Each group of `conf/` mirrors one dataclass here. Hydra checks names and types while composing; `to_object` then
+runs the `__post_init__` checks, so every config error surfaces before anything is built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+BUILTIN_PROMPT = "The three laws of thermodynamics are"
+
+
+class Mode(Enum):
+    generate = "generate"
+    bench = "bench"
+
+
+class OutputFormat(Enum):
+    text = "text"
+    json = "json"
+
+
+class DType(Enum):
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+
+
+@dataclass
+class CpuSpec:
+    model: str = ""  # brand string, informational
+    isa: List[str] = field(default_factory=list)  # features the profile's kernels need, cpuid names
+    sockets: int = 1
+    cores: int = 0  # physical cores in total; 0 = no requirement
+    numa_nodes: int = 1
+    memory_gb: float = 0.0  # DRAM; 0 = no requirement
+    mem_bw_gbps: float = 0.0  # theoretical DRAM bandwidth; 0 = unknown
+
+    def __post_init__(self) -> None:
+        if self.cores < 0 or self.memory_gb < 0 or self.sockets < 1 or self.numa_nodes < 1:
+            raise ValueError(f"hw.cpu: counts must be positive, got {self}")
+
+
+@dataclass
+class GpuSpec:
+    name: str = ""
+    memory_gb: float = 0.0
+    pcie_gbps: float = 0.0  # host<->device, one direction, theoretical
+
+
+@dataclass
+class HwConfig:
+    name: str = "auto"  # "auto" = the detected machine, else a profile from conf/hw/
+    description: str = ""
+    cpu: CpuSpec = field(default_factory=CpuSpec)
+    gpus: List[GpuSpec] = field(default_factory=list)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    path: Optional[str] = None  # a Hugging Face checkpoint directory; its config.json decides the architecture
+    # A generated checkpoint instead of `path`: `base` (deepseek_v3 | kimi_k2) plus config.json fields to override.
+    synthetic: Optional[Dict[str, Any]] = None
+    seed: int = 0  # seed of the generated weights
+    in_memory: bool = False  # generate the synthetic weights in memory and skip the disk
+    dtype: DType = DType.bfloat16  # activation / compute dtype; weights stay as stored
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.synthetic is None):
+            raise ValueError(
+                f"model '{self.name}': set exactly one of model.path (a checkpoint directory) "
+                "or model.synthetic (a generated checkpoint)"
+            )
+        if self.in_memory and self.synthetic is None:
+            raise ValueError(f"model '{self.name}': model.in_memory only applies to a synthetic model")
+
+
+@dataclass
+class PolicyConfig:
+    # When the machine lacks what the hw profile needs: false = stop and say what is missing,
+    # true = warn, then adapt (GPU work on the CPU, fewer threads, ...).
+    adapt_to_hardware: bool = False
+    cpu_threads: int = 0  # threads of the CPU expert kernels; 0 = all physical cores
+    cpu_kernel: str = "auto"  # CPU kernel ISA: auto | avx512_bf16 | avx2 | generic
+    slp_cutoff_tokens: int = 4096  # prompts longer than this are prefilled on the GPU by stream-loading
+    ring_len: str = "auto"  # expert slots of the stream-loading ring buffer: a number >= 1, or auto
+    batch_cap: int = 6  # most decoding requests batched together
+    max_batch: int = 8  # KV-cache slots (sequences held at once)
+    max_context: int = 4096  # tokens per sequence the KV cache holds
+    gpu_experts_per_layer: int = 0  # hot routed experts kept resident on the GPU, per layer
+    deferred_experts: int = 0  # experts deferred to overlap the next layer (changes outputs slightly)
+    gpu_memory_budget_gb: float = 0.0  # GPU memory the engine may hold; 0 = all free memory less a reserve
+
+    def __post_init__(self) -> None:
+        if self.ring_len != "auto" and not (self.ring_len.isdigit() and int(self.ring_len) >= 1):
+            raise ValueError(f"policy.ring_len must be a number >= 1 or 'auto', got {self.ring_len!r}")
+        if self.cpu_kernel not in ("auto", "avx512_bf16", "avx2", "generic"):
+            raise ValueError(
+                f"policy.cpu_kernel must be auto, avx512_bf16, avx2 or generic, got {self.cpu_kernel!r}"
+            )
+        for knob in ("cpu_threads", "slp_cutoff_tokens", "gpu_experts_per_layer", "deferred_experts"):
+            if getattr(self, knob) < 0:
+                raise ValueError(f"policy.{knob} must be >= 0, got {getattr(self, knob)}")
+        for knob in ("batch_cap", "max_batch", "max_context"):
+            if getattr(self, knob) < 1:
+                raise ValueError(f"policy.{knob} must be >= 1, got {getattr(self, knob)}")
+        if self.batch_cap > self.max_batch:
+            raise ValueError(
+                f"policy.batch_cap ({self.batch_cap}) exceeds policy.max_batch ({self.max_batch}), "
+                "the number of KV-cache slots"
+            )
+
+
+@dataclass
+class HybridConfig:
+    hw: HwConfig = field(default_factory=HwConfig)
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(synthetic={"base": "deepseek_v3"}))
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    mode: Mode = Mode.generate
+    # generate mode
+    prompt: str = BUILTIN_PROMPT
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k filter
+    seed: int = 0
+    chat: bool = False  # wrap the prompt in the checkpoint's chat template
+    output: OutputFormat = OutputFormat.text
+    # bench mode
+    bench: str = "kernels"
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="schema", node=HybridConfig)

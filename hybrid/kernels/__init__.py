@@ -1,0 +1,1 @@
+"""CPU kernels and the native helpers they depend on."""

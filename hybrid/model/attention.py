@@ -1,0 +1,71 @@
+"""Multi-head Latent Attention (MLA) in the absorbed form: queries are projected into the latent space, so the
+cache holds only the compressed latent (C) and the shared rotary key (R) per token.
+
+Legend: B batch, S new tokens, T key positions, H heads, D hidden, N no-rope head dim, V value head dim.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from hybrid.model.args import ModelArgs
+from hybrid.model.kv_cache import LatentCache
+from hybrid.model.layers import Linear, RMSNorm
+from hybrid.model.rope import apply_rope
+
+
+class MLA(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        a, blk = args, args.fp8_block
+        h = a.num_attention_heads
+        if a.q_lora_rank:
+            self.q_a_proj = Linear(a.hidden_size, a.q_lora_rank, blk)
+            self.q_a_layernorm = RMSNorm(a.q_lora_rank, a.rms_norm_eps)
+            self.q_b_proj = Linear(a.q_lora_rank, h * a.qk_head_dim, blk)
+        else:
+            self.q_proj = Linear(a.hidden_size, h * a.qk_head_dim, blk)
+        self.kv_a_proj_with_mqa = Linear(a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim, blk)
+        self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, a.rms_norm_eps)
+        self.kv_b_proj = Linear(a.kv_lora_rank, h * (a.qk_nope_head_dim + a.v_head_dim), blk)
+        self.o_proj = Linear(h * a.v_head_dim, a.hidden_size, blk)
+
+    def _query(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        if self.args.q_lora_rank:
+            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSD)))
+        return self.q_proj(x_BSD)
+
+    def forward(self, x_BSD: torch.Tensor, pos_BS: torch.Tensor,
+                cache: Optional[LatentCache] = None, slots_B: Optional[torch.Tensor] = None) -> torch.Tensor:
+        a = self.args
+        B, S, _ = x_BSD.shape
+        q_BSHK = self._query(x_BSD).view(B, S, a.num_attention_heads, a.qk_head_dim)
+        q_nope_BSHN, q_pe_BSHR = q_BSHK.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
+        q_pe_BSHR = apply_rope(q_pe_BSHR, pos_BS, a.rope)
+
+        kv_c_BSC, k_pe_BSR = self.kv_a_proj_with_mqa(x_BSD).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        kv_c_BSC = self.kv_a_layernorm(kv_c_BSC)
+        k_pe_BSR = apply_rope(k_pe_BSR[:, :, None, :], pos_BS, a.rope)[:, :, 0, :]
+
+        if cache is None:
+            kv_BTC, pe_BTR, key_pos_BT = kv_c_BSC, k_pe_BSR, pos_BS
+        else:
+            kv_BTC, pe_BTR = cache.write_and_read(slots_B, pos_BS, kv_c_BSC, k_pe_BSR)
+            key_pos_BT = torch.arange(kv_BTC.shape[1], device=pos_BS.device).expand(B, -1)
+        kv_BTC, pe_BTR = kv_BTC.to(x_BSD.dtype), pe_BTR.to(x_BSD.dtype)
+
+        w_HXC = self.kv_b_proj.dense_weight(x_BSD.dtype).view(a.num_attention_heads, -1, a.kv_lora_rank)
+        w_uk_HNC, w_uv_HVC = w_HXC.split([a.qk_nope_head_dim, a.v_head_dim], dim=1)
+        q_lat_BSHC = torch.einsum("bshn,hnc->bshc", q_nope_BSHN, w_uk_HNC)
+        scores_BSHT = (
+            torch.einsum("bshc,btc->bsht", q_lat_BSHC, kv_BTC) + torch.einsum("bshr,btr->bsht", q_pe_BSHR, pe_BTR)
+        ).float() * a.softmax_scale
+        visible_BST = key_pos_BT[:, None, :] <= pos_BS[:, :, None]
+        scores_BSHT = scores_BSHT.masked_fill(~visible_BST[:, :, None, :], float("-inf"))
+        probs_BSHT = scores_BSHT.softmax(dim=-1).to(x_BSD.dtype)
+        o_BSHC = torch.einsum("bsht,btc->bshc", probs_BSHT, kv_BTC)
+        o_BSHV = torch.einsum("bshc,hvc->bshv", o_BSHC, w_uv_HVC)
+        return self.o_proj(o_BSHV.flatten(2))

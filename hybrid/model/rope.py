@@ -1,0 +1,39 @@
+"""Rotary position embedding with YaRN frequency interpolation (DeepSeek-V3's long-context RoPE).
+
+Pairs are adjacent elements (2i, 2i+1), as in DeepSeek's reference code; applying the same pairing to queries and
+keys leaves every dot product equal to the reference's, whatever the layout of the rotary dims.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hybrid.model.args import RopeArgs
+
+
+def _correction_dim(rotations: float, dim: int, base: float, max_pos: int) -> float:
+    return dim * math.log(max_pos / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def inv_freq(rope: RopeArgs, dim: int, device=None) -> torch.Tensor:
+    freqs = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    if not rope.is_yarn:
+        return freqs
+    low = max(math.floor(_correction_dim(rope.beta_fast, dim, rope.theta, rope.original_max_position)), 0)
+    high = min(math.ceil(_correction_dim(rope.beta_slow, dim, rope.theta, rope.original_max_position)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1 = extrapolate (high frequencies kept), 0 = interpolate (divided by factor)
+    return freqs / rope.factor * (1 - keep) + freqs * keep
+
+
+def apply_rope(x: torch.Tensor, pos_BS: torch.Tensor, rope: RopeArgs) -> torch.Tensor:
+    """x: [B, S, H, R] rotated by its position pos_BS: [B, S]."""
+    freqs = inv_freq(rope, x.shape[-1], x.device)
+    angles = pos_BS.to(torch.float32)[..., None] * freqs  # [B, S, R/2]
+    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    xf = x.float().unflatten(-1, (-1, 2))
+    a, b = xf[..., 0], xf[..., 1]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)

@@ -1,0 +1,69 @@
+"""The DeepSeek-V3 decoder: embeddings, blocks (MLA + dense MLP or MoE), final norm, lm_head.
+
+Parameter names are the Hugging Face checkpoint's, so a checkpoint loads by name. Several sequences run at once,
+each at its own position: `pos_BS` gives every token's position, `slots_B` every sequence's KV-cache slot.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from hybrid.model.args import ModelArgs
+from hybrid.model.attention import MLA
+from hybrid.model.kv_cache import KVCache
+from hybrid.model.layers import MLP, RMSNorm
+from hybrid.model.moe import MoE
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = MLA(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if args.is_moe_layer(layer):
+            self.mlp = MoE(args)
+        else:
+            self.mlp = MLP(args.hidden_size, args.intermediate_size, args.fp8_block)
+
+    def forward(self, x_BSD, pos_BS, cache=None, slots_B=None):
+        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), pos_BS, cache, slots_B)
+        return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
+
+
+class Decoder(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=torch.bfloat16)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        self.model = Decoder(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=torch.bfloat16)
+        self.lm_head.weight.requires_grad_(False)
+
+    @torch.inference_mode()
+    def forward(self, tokens_BS: torch.Tensor, pos_BS: torch.Tensor, cache: Optional[KVCache] = None,
+                slots_B: Optional[torch.Tensor] = None, last_only: bool = False) -> torch.Tensor:
+        """Logits (fp32) for every token, or for the last one of each sequence when `last_only`.
+        Without a cache, attention covers exactly the tokens given (a full recomputation)."""
+        x_BSD = self.model.embed_tokens(tokens_BS).to(self.dtype)
+        for i, block in enumerate(self.model.layers):
+            x_BSD = block(x_BSD, pos_BS, cache.layers[i] if cache else None, slots_B)
+        if last_only:
+            x_BSD = x_BSD[:, -1:]
+        x_BSD = self.model.norm(x_BSD)
+        return torch.nn.functional.linear(x_BSD, self.lm_head.weight.to(self.dtype)).float()
+
+    def new_cache(self, slots: int, max_context: int, device=None) -> KVCache:
+        a = self.args
+        return KVCache(a.num_hidden_layers, slots, max_context, a.kv_lora_rank, a.qk_rope_head_dim,
+                       self.dtype, device)

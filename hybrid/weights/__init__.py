@@ -1,0 +1,1 @@
+"""Checkpoints: the safetensors format, FP8 block tensors, reading, validating and generating checkpoints."""

@@ -1,0 +1,40 @@
+"""FP8 E4M3 block tensors: W = q * s for each block of the weight (128x128 in DeepSeek-V3), ragged at the edges."""
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+
+
+def expand_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """The per-block scale broadcast to one value per weight element."""
+    s = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return s[: shape[0], : shape[1]]
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype=torch.bfloat16) -> torch.Tensor:
+    shape = tuple(q.shape)
+    return (q.to(torch.float32) * expand_scale(scale.to(torch.float32), shape, block)).to(dtype)
+
+
+def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise FP8 quantisation as the releases do it: scale = amax / 448 per block."""
+    n, k = w.shape
+    sn, sk = scale_shape((n, k), block)
+    padded = torch.zeros(sn * block[0], sk * block[1], dtype=torch.float32)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(sn, block[0], sk, block[1])
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).view_as(padded)[:n, :k].to(FP8)
+    return q.contiguous(), scale
+
+
+def nan_code_count(q: torch.Tensor) -> int:
+    """FP8 E4M3 has no infinities; codes 0x7F and 0xFF are NaN."""
+    return int(((q.view(torch.uint8) & 0x7F) == 0x7F).sum())

@@ -1,0 +1,133 @@
+"""Synthetic checkpoints in exactly the published layout (config.json with quantization_config, safetensors shards
+plus index, FP8 weights with 128x128 block scales, tokenizer files), any dimensions, deterministic by seed.
+
+Values come from random bytes (fast enough for real DeepSeek-V3 dimensions): FP8 weights are random valid E4M3
+codes with per-block scales sized so every Linear has weights of RMS ~ 1/sqrt(fan_in).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from hybrid.model.args import ModelArgs
+from hybrid.model.transformer import Transformer
+from hybrid.weights import fp8
+from hybrid.weights.checkpoint import INDEX, SINGLE, InMemoryCheckpoint
+from hybrid.weights.presets import hf_config
+from hybrid.weights.safetensors_io import TensorSpec, write
+from hybrid.weights.tokenizer_files import write_byte_tokenizer
+
+_CODES = torch.arange(256, dtype=torch.uint8)
+_VALID = _CODES[(_CODES & 0x7F) != 0x7F]
+RMS_CODE = float(_VALID.view(fp8.FP8).float().pow(2).mean().sqrt())
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def _fp8_codes(rng, shape) -> torch.Tensor:
+    codes = np.frombuffer(rng.bytes(math.prod(shape)), dtype=np.uint8).copy()
+    codes[(codes & 0x7F) == 0x7F] ^= 1  # 0x7F / 0xFF are NaN: use the neighbouring code
+    return torch.from_numpy(codes).view(fp8.FP8).reshape(shape)
+
+
+def _bf16_of_rms(rng, shape, rms: float) -> torch.Tensor:
+    """Random sign and mantissa, one exponent: values in ±[1, 2)·2^e, RMS ≈ 1.53·2^e."""
+    e = round(math.log2(rms / 1.53)) + 127
+    bits = np.frombuffer(rng.bytes(2 * math.prod(shape)), dtype=np.uint16)
+    bits = (bits & 0x807F) | np.uint16(e << 7)
+    return torch.from_numpy(bits.astype(np.int16)).view(torch.bfloat16).reshape(shape)
+
+
+def _make(name: str, shape: tuple, dtype: torch.dtype, weight_shapes: dict, seed: int):
+    def make() -> torch.Tensor:
+        rng = _rng(seed, name)
+        if dtype == fp8.FP8:
+            return _fp8_codes(rng, shape)
+        if name.endswith("weight_scale_inv"):
+            k = weight_shapes[name.removesuffix("_scale_inv")][1]
+            jitter = rng.lognormal(0.0, 0.3, size=shape).astype(np.float32)
+            return torch.from_numpy(jitter / (RMS_CODE * math.sqrt(k)))
+        if name.endswith("e_score_correction_bias"):
+            return torch.from_numpy(rng.normal(0.0, 0.01, size=shape).astype(np.float32))
+        if name.endswith("norm.weight"):
+            return torch.from_numpy(rng.normal(1.0, 0.05, size=shape).astype(np.float32)).to(torch.bfloat16)
+        if name == "model.embed_tokens.weight":
+            return _bf16_of_rms(rng, shape, 1.0)
+        return _bf16_of_rms(rng, shape, 1.0 / math.sqrt(shape[-1]))
+    return make
+
+
+def tensor_specs(args: ModelArgs, seed: int) -> list[TensorSpec]:
+    with torch.device("meta"):
+        model = Transformer(args)
+    state = model.state_dict()
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    return [TensorSpec(k, shapes[k], v.dtype, _make(k, shapes[k], v.dtype, shapes, seed)) for k, v in state.items()]
+
+
+def _shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
+    shards, current, size = [], [], 0
+    for s in specs:
+        if current and size + s.nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(s)
+        size += s.nbytes
+    return shards + [current]
+
+
+def write_checkpoint(dst: Path, spec: dict, seed: int = 0, progress: bool = True) -> Path:
+    """Write a generated checkpoint to `dst` (atomically: a partial one never looks complete)."""
+    cfg = hf_config(spec)
+    args = ModelArgs.from_hf_config(cfg, "synthetic config")
+    specs = tensor_specs(args, seed)
+    shards = _shards(specs, int(spec.get("max_shard_mb", 4000) * 1e6))
+    tmp = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    total = sum(s.nbytes for s in specs)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {dst.name}", disable=not progress) as bar:
+        names = [SINGLE] if len(shards) == 1 else [
+            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        for name, shard in zip(names, shards):
+            write(tmp / name, shard)
+            bar.update(sum(s.nbytes for s in shard))
+    if len(shards) > 1:
+        weight_map = {s.name: n for n, shard in zip(names, shards) for s in shard}
+        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_byte_tokenizer(tmp, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
+    return dst
+
+
+def in_memory_checkpoint(spec: dict, seed: int = 0) -> InMemoryCheckpoint:
+    """The same tensors as `write_checkpoint`, kept in memory (no disk)."""
+    args = ModelArgs.from_hf_config(hf_config(spec), "synthetic config")
+    return InMemoryCheckpoint(args, {s.name: s.make() for s in tensor_specs(args, seed)}, "<generated in memory>")
+
+
+def checkpoint_dir(root: Path, name: str, spec: dict, seed: int) -> Path:
+    digest = hashlib.sha1(json.dumps([spec, seed], sort_keys=True).encode()).hexdigest()[:10]
+    return root / f"{name}-{digest}"
+
+
+def ensure_checkpoint(root: Path, name: str, spec: dict, seed: int = 0) -> Path:
+    """The generated checkpoint for (spec, seed) under `root`, written on first use."""
+    dst = checkpoint_dir(root, name, spec, seed)
+    if not (dst / "config.json").exists():
+        print(f"generating checkpoint '{name}' under {dst}", file=sys.stderr)
+        write_checkpoint(dst, spec, seed, progress=sys.stderr.isatty())
+    return dst
