@@ -28,6 +28,9 @@ def dequantised_copy(src: Path, dst: Path, dtype=torch.float32) -> Path:
     save_file(tensors, str(dst / "model.safetensors"))
     cfg = json.loads((src / "config.json").read_text())
     cfg.pop("quantization_config", None)
+    # Kimi-K2 is DeepseekV3ForCausalLM; transformers maps per-expert tensors onto its fused expert weights only
+    # under the deepseek_v3 model type.
+    cfg["model_type"] = "deepseek_v3"
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst

@@ -16,7 +16,6 @@ BUILTIN_PROMPT = "The three laws of thermodynamics are"
 
 class Mode(Enum):
     generate = "generate"
-    bench = "bench"
 
 
 class OutputFormat(Enum):
@@ -130,8 +129,6 @@ class HybridConfig:
     seed: int = 0
     chat: bool = False  # wrap the prompt in the checkpoint's chat template
     output: OutputFormat = OutputFormat.text
-    # bench mode
-    bench: str = "kernels"
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

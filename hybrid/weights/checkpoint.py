@@ -30,8 +30,8 @@ class Checkpoint:
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: not a checkpoint directory")
         self.args = ModelArgs.from_file(self.path / "config.json")
-        self._weight_map = self._read_weight_map()
         self._files: dict[str, SafetensorsFile] = {}
+        self._weight_map = self._read_weight_map()
 
     def _read_weight_map(self) -> dict[str, str]:
         index = self.path / INDEX

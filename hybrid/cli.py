@@ -1,0 +1,27 @@
+"""`python -m hybrid`: compose the configs with Hydra, then run. Errors in the user's input end the run with one
+clear message and exit status 2."""
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from hybrid.config.compose import CONF_DIR
+from hybrid.config.schema import register
+from hybrid.errors import HybridError
+
+
+def _task(cfg: DictConfig) -> None:
+    from hybrid.run import run
+
+    try:
+        run(cfg)
+    except HybridError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    register()
+    hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)()

@@ -1,0 +1,1 @@
+"""The engine: the generation loop over the model, its KV cache and the sampler."""

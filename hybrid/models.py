@@ -1,0 +1,39 @@
+"""From the `model` config to a loaded model and its tokenizer: a user's checkpoint directory, or a generated
+checkpoint (written under runs/models/ on first use, or kept in memory)."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from hybrid.config.compose import RUNS_DIR
+from hybrid.config.schema import ModelConfig
+from hybrid.model.transformer import Transformer
+from hybrid.tokenizer import Tokenizer
+from hybrid.weights.checkpoint import Checkpoint, TensorSource
+from hybrid.weights.loader import load_model
+from hybrid.weights.synthetic import ensure_checkpoint, in_memory_checkpoint
+from hybrid.weights.tokenizer_files import write_byte_tokenizer
+
+
+def open_source(cfg: ModelConfig) -> tuple[TensorSource, Path]:
+    """The tensors and the directory holding the tokenizer files."""
+    if cfg.path is not None:
+        ck = Checkpoint(cfg.path)
+        return ck, ck.path
+    spec = dict(cfg.synthetic)
+    if cfg.in_memory:
+        source = in_memory_checkpoint(spec, cfg.seed)
+        tok_dir = Path(tempfile.mkdtemp(prefix="hybrid-tokenizer-"))
+        a = source.args
+        write_byte_tokenizer(tok_dir, a.vocab_size, a.bos_token_id, a.eos_token_id)
+        return source, tok_dir
+    ck = Checkpoint(ensure_checkpoint(RUNS_DIR / "models", cfg.name, spec, cfg.seed))
+    return ck, ck.path
+
+
+def load(cfg: ModelConfig, progress: bool = True) -> tuple[Transformer, Tokenizer]:
+    source, tok_dir = open_source(cfg)
+    model = load_model(source, getattr(torch, cfg.dtype.value), progress)
+    return model, Tokenizer(tok_dir)

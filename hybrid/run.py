@@ -1,0 +1,74 @@
+"""run(cfg): what `python -m hybrid` does, and what the tuner calls: check the machine against the hardware
+profile, build the engine from the configs, run the mode, print and return the report."""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from omegaconf import DictConfig
+
+from hybrid.config.compose import to_settings
+from hybrid.config.schema import HybridConfig, OutputFormat
+from hybrid.engine.generate import Generator
+from hybrid.engine.sampler import Sampling
+from hybrid.errors import ConfigError
+from hybrid.hw.check import resolve
+from hybrid.hw.detect import detect
+from hybrid import models
+
+
+def settings_of(cfg: DictConfig) -> HybridConfig:
+    try:
+        return to_settings(cfg)
+    except Exception as e:  # omegaconf wraps the schema's __post_init__ errors
+        raise ConfigError(str(getattr(e, "msg", e)).splitlines()[0]) from e
+
+
+def run(cfg: DictConfig) -> dict:
+    s = settings_of(cfg)
+    machine = detect()
+    hw, notes = resolve(s.hw, s.policy, machine)
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr)
+    torch.set_num_threads(s.policy.cpu_threads or machine.physical_cores)
+    return generate(s, hw.name)
+
+
+def generate(s: HybridConfig, hw_name: str) -> dict:
+    text_out = s.output == OutputFormat.text
+    model, tok = models.load(s.model, progress=text_out and sys.stderr.isatty())
+    prompt_ids = tok.apply_chat_template([{"role": "user", "content": s.prompt}]) if s.chat else tok.encode(s.prompt)
+    gen = Generator(model, s.policy.max_batch, s.policy.max_context, model.args.eos_token_id)
+    stream = _TextStream(tok) if text_out else None
+    if stream:
+        print(s.prompt, end="", flush=True)
+    res = gen.generate([prompt_ids], s.max_new_tokens, Sampling(s.temperature, s.top_p, s.top_k, s.seed),
+                       on_token=stream)
+    t = res.timings
+    report = {
+        "model": s.model.name, "hw": hw_name, "prompt_ids": prompt_ids, "output_ids": res.output_ids[0],
+        "text": tok.decode(res.output_ids[0]), "prompt_tokens": t.prompt_tokens, "new_tokens": t.new_tokens,
+        "ttft_s": t.ttft_s, "tpot_s": t.tpot_s, "prefill_tok_s": t.prefill_tok_s, "decode_tok_s": t.decode_tok_s,
+    }
+    if text_out:
+        print(f"\n\n[{s.model.name} on {hw_name}] prompt {t.prompt_tokens} tokens, generated {t.new_tokens} | "
+              f"TTFT {t.ttft_s * 1e3:.1f} ms | TPOT {t.tpot_s * 1e3:.1f} ms | "
+              f"prefill {t.prefill_tok_s:.1f} tok/s | decode {t.decode_tok_s:.1f} tok/s")
+    else:
+        print(json.dumps(report))
+    return report
+
+
+class _TextStream:
+    """Prints the decoded text as tokens arrive, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tok):
+        self.tok, self.ids, self.shown = tok, [], 0
+
+    def __call__(self, _seq: int, token: int) -> None:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            print(text[self.shown:], end="", flush=True)
+            self.shown = len(text)
