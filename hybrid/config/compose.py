@@ -1,6 +1,7 @@
 """Where configs and run outputs live, and composition outside of the command line (tests, the tuner)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Sequence
@@ -24,5 +25,19 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
 
 
 def to_settings(cfg: DictConfig) -> HybridConfig:
-    """The composed config as validated dataclasses (runs every `__post_init__` check)."""
-    return OmegaConf.to_object(cfg)
+    """The composed config as validated dataclasses (runs every `__post_init__` check). Keys the schema does not
+    know (`+policy.typo=1` gets past Hydra) are refused rather than silently ignored."""
+    settings = OmegaConf.to_object(cfg)
+    _refuse_unknown(settings, "")
+    return settings
+
+
+def _refuse_unknown(obj, prefix: str) -> None:
+    if not dataclasses.is_dataclass(obj):
+        return
+    known = {f.name for f in dataclasses.fields(obj)}
+    unknown = sorted(set(vars(obj)) - known)
+    if unknown:
+        raise ValueError(f"unknown config key {prefix}{unknown[0]} (known: {', '.join(sorted(known))})")
+    for name in known:
+        _refuse_unknown(getattr(obj, name), f"{prefix}{name}.")

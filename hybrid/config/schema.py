@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
 
 BUILTIN_PROMPT = "The three laws of thermodynamics are"
 
@@ -69,13 +71,11 @@ class ModelConfig:
     dtype: DType = DType.bfloat16  # activation / compute dtype; weights stay as stored
 
     def __post_init__(self) -> None:
-        if (self.path is None) == (self.synthetic is None):
-            raise ValueError(
-                f"model '{self.name}': set exactly one of model.path (a checkpoint directory) "
-                "or model.synthetic (a generated checkpoint)"
-            )
-        if self.in_memory and self.synthetic is None:
-            raise ValueError(f"model '{self.name}': model.in_memory only applies to a synthetic model")
+        if self.path is not None:  # a checkpoint directory wins over the group's generated default
+            self.synthetic, self.in_memory = None, False
+            self.name = Path(self.path).name or self.name
+        elif self.synthetic is None:
+            raise ValueError(f"model '{self.name}': set model.path (a checkpoint directory) or model.synthetic")
 
 
 @dataclass
@@ -117,7 +117,7 @@ class PolicyConfig:
 @dataclass
 class HybridConfig:
     hw: HwConfig = field(default_factory=HwConfig)
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(synthetic={"base": "deepseek_v3"}))
+    model: ModelConfig = MISSING  # from the model group (conf/model/)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     mode: Mode = Mode.generate
     # generate mode

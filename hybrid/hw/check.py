@@ -5,6 +5,7 @@ from dataclasses import replace
 from typing import Iterable, Sequence
 
 from hybrid.config.schema import CpuSpec, GpuSpec, HwConfig, PolicyConfig
+from hybrid.errors import ConfigError
 from hybrid.hw.detect import Gpu, Machine
 
 SLACK = 0.95  # memory a machine reports is a little under its nominal size (firmware, kernel, driver reserve)
@@ -15,7 +16,7 @@ HOW_TO_PROCEED = (
 )
 
 
-class HardwareMismatch(ValueError):
+class HardwareMismatch(ConfigError):
     def __init__(self, profile: str, shortfalls: Sequence[str]) -> None:
         self.profile = profile
         self.shortfalls = list(shortfalls)

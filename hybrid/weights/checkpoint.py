@@ -32,6 +32,7 @@ class Checkpoint:
         self.args = ModelArgs.from_file(self.path / "config.json")
         self._files: dict[str, SafetensorsFile] = {}
         self._weight_map = self._read_weight_map()
+        self._listing = INDEX if (self.path / INDEX).exists() else SINGLE  # the file that lists the tensors
 
     def _read_weight_map(self) -> dict[str, str]:
         index = self.path / INDEX
@@ -40,6 +41,8 @@ class Checkpoint:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index}: corrupt index ({type(e).__name__}: {e})")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index}: corrupt index (weight_map is not a mapping of tensor to shard)")
             for shard in set(weight_map.values()):
                 if not (self.path / shard).exists():
                     raise CheckpointError(f"{self.path / shard}: shard listed in {INDEX} not found")
@@ -57,7 +60,7 @@ class Checkpoint:
         return set(self._weight_map)
 
     def where(self, name: str) -> str:
-        return str(self.path / self._weight_map.get(name, SINGLE))
+        return str(self.path / self._weight_map.get(name, self._listing))
 
     def tensor(self, name: str) -> torch.Tensor:
         f = self._file(self._weight_map[name])

@@ -39,9 +39,9 @@ def _check_names(source: TensorSource, expected: dict) -> None:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{source.where(missing[0])}: missing tensor {missing[0]!r}{more}")
     n_layers = source.args.num_hidden_layers
-    extra = [n for n in available - set(expected) if not _is_skipped_layer(n, n_layers)]
+    extra = sorted(n for n in available - set(expected) if not _is_skipped_layer(n, n_layers))
     if extra:
-        raise CheckpointError(f"{source.where(extra[0])}: unexpected tensor {sorted(extra)[0]!r} "
+        raise CheckpointError(f"{source.where(extra[0])}: unexpected tensor {extra[0]!r} "
                               f"({len(extra)} unexpected in all): the checkpoint does not match its config.json")
 
 

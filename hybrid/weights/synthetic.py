@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from hybrid.errors import CheckpointError
 from hybrid.model.args import ModelArgs
 from hybrid.model.transformer import Transformer
 from hybrid.weights import fp8
@@ -93,10 +94,15 @@ def write_checkpoint(dst: Path, spec: dict, seed: int = 0, progress: bool = True
     args = ModelArgs.from_hf_config(cfg, "synthetic config")
     specs = tensor_specs(args, seed)
     shards = _shards(specs, int(spec.get("max_shard_mb", 4000) * 1e6))
+    total = sum(s.nbytes for s in specs)
     tmp = dst.with_name(dst.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    total = sum(s.nbytes for s in specs)
+    free = shutil.disk_usage(tmp).free
+    if total > 0.9 * free:
+        tmp.rmdir()
+        raise CheckpointError(f"{dst}: generating this checkpoint needs {total / 1e9:.1f} GB of disk, only "
+                              f"{free / 1e9:.1f} GB is free (fewer layers: model.synthetic.num_hidden_layers=N)")
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {dst.name}", disable=not progress) as bar:
         names = [SINGLE] if len(shards) == 1 else [
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]

@@ -1,0 +1,204 @@
+"""Every option of every config group composes and validates; bad overrides fail clearly, naming the knob.
+
+Options are found on disk (conf/<group>/*.yaml), so a new yaml is tested without touching this file. Hardware is
+not in the defaults list: a profile is appended with `+hw=NAME`.
+"""
+from __future__ import annotations
+
+import pytest
+import yaml
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
+
+from hybrid.config import CONF_DIR, HybridConfig, compose, to_settings
+from hybrid.config.schema import CpuSpec, GpuSpec, Mode, PolicyConfig
+from hybrid.model.args import ModelArgs
+from hybrid.weights.presets import hf_config
+
+GROUPS = ("model", "hw", "policy", "mode")
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _yaml(group: str, name: str) -> dict:
+    return yaml.safe_load((CONF_DIR / group / f"{name}.yaml").read_text()) or {}
+
+
+def _settings(overrides: list[str]) -> HybridConfig:
+    return to_settings(compose(overrides))
+
+
+def _needs_path(name: str) -> bool:
+    """A model yaml for a checkpoint the user downloads: it gives no generated weights, so needs model.path."""
+    return "synthetic" not in _yaml("model", name)
+
+
+SYNTHETIC_MODELS = [m for m in _options("model") if not _needs_path(m)]
+PATH_MODELS = [m for m in _options("model") if _needs_path(m)]
+
+
+# --------------------------------------------------------------------------------------------- every option
+
+def test_hydra_sees_the_same_options():
+    """The options this file iterates over are exactly those Hydra offers (nothing hidden in a ConfigStore)."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        for group in GROUPS:
+            assert loader.get_group_options(group) == _options(group), group
+    assert SYNTHETIC_MODELS and _options("hw") and _options("policy") and _options("mode")
+
+
+def test_default_config():
+    s = _settings([])
+    assert s.model.name == "tiny" and s.model.synthetic is not None and s.model.path is None
+    assert s.hw.name == "auto"
+    assert s.policy == PolicyConfig() and s.mode == Mode.generate
+
+
+@pytest.mark.parametrize("name", _options("model"))
+def test_model_yaml_names_itself(name):
+    assert _yaml("model", name).get("name") == name, f"conf/model/{name}.yaml: `name` is not {name!r}"
+
+
+@pytest.mark.parametrize("name", SYNTHETIC_MODELS)
+def test_synthetic_model(name):
+    s = _settings([f"model={name}"])
+    spec = _yaml("model", name)["synthetic"]
+    assert s.model.name == name and s.model.path is None
+    assert s.model.synthetic == spec, f"model={name}: composed {s.model.synthetic}, the yaml says {spec}"
+    # The spec is one the generator accepts: config.json fields of its preset, an architecture ModelArgs takes.
+    args = ModelArgs.from_hf_config(hf_config(spec), f"conf/model/{name}.yaml")
+    assert args.num_hidden_layers >= 1
+
+
+@pytest.mark.parametrize("name", PATH_MODELS or [pytest.param("-", marks=pytest.mark.skip("no path model yaml"))])
+def test_path_model_with_path(name, tmp_path):
+    s = _settings([f"model={name}", f"model.path={tmp_path}"])
+    assert s.model.path == str(tmp_path) and s.model.synthetic is None, s.model
+    assert not s.model.in_memory
+
+
+@pytest.mark.parametrize("name", PATH_MODELS or [pytest.param("-", marks=pytest.mark.skip("no path model yaml"))])
+def test_path_model_without_path_fails(name):
+    """A model the user downloads needs model.path: never a silent fallback to generated weights."""
+    with pytest.raises((ValueError, MissingMandatoryValue)) as e:
+        _settings([f"model={name}"])
+    assert "model.path" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_r1", "kimi_k2"])
+def test_release_models_take_a_path(name, tmp_path):
+    if not (CONF_DIR / "model" / f"{name}.yaml").exists():
+        pytest.skip(f"conf/model/{name}.yaml does not exist")
+    assert name in PATH_MODELS, f"conf/model/{name}.yaml should name a downloaded checkpoint (model.path)"
+
+
+@pytest.mark.parametrize("name", _options("hw"))
+def test_hw_profile(name):
+    s = _settings([f"+hw={name}"])
+    assert s.hw.name == name, f"conf/hw/{name}.yaml: name {s.hw.name!r}"
+    assert isinstance(s.hw.cpu, CpuSpec) and all(isinstance(g, GpuSpec) for g in s.hw.gpus)
+    raw = _yaml("hw", name)
+    assert len(s.hw.gpus) == len(raw.get("gpus", [])) and s.hw.cpu.isa == raw["cpu"]["isa"]
+
+
+@pytest.mark.parametrize("name", _options("policy"))
+def test_policy(name):
+    s = _settings([f"policy={name}"])
+    assert isinstance(s.policy, PolicyConfig)
+    for key, value in _yaml("policy", name).items():
+        assert getattr(s.policy, key) == value, f"policy={name}: {key}"
+    if name == "default":
+        assert s.policy == PolicyConfig(), "conf/policy/default.yaml differs from the schema's defaults"
+
+
+@pytest.mark.parametrize("name", _options("mode"))
+def test_mode(name):
+    assert _settings([f"mode={name}"]).mode == Mode(name)
+
+
+@pytest.mark.parametrize("hw", _options("hw"))
+@pytest.mark.parametrize("model", SYNTHETIC_MODELS[:2])
+def test_groups_combine(model, hw):
+    overrides = [f"model={model}", f"+hw={hw}"] + [f"{g}={_options(g)[0]}" for g in ("policy", "mode")]
+    s = _settings(overrides)
+    assert (s.model.name, s.hw.name) == (model, hw), overrides
+
+
+# ------------------------------------------------------------------------------------------------- failures
+
+def test_unknown_key():
+    with pytest.raises(ConfigCompositionException, match=r"policy\.ring_lenn") as e:
+        compose(["policy.ring_lenn=3"])
+    assert "+policy.ring_lenn" in str(e.value)  # Hydra's hint; a schema node refuses it anyway
+
+
+def test_unknown_key_appended_is_still_refused():
+    """`+` must not smuggle a misspelt knob past the schema (it would be silently ignored)."""
+    with pytest.raises((OmegaConfBaseException, HydraException, ValueError)) as e:
+        to_settings(compose(["+policy.ring_lenn=3"]))
+    assert "ring_lenn" in str(e.value) + str(e.value.__cause__)
+
+
+@pytest.mark.parametrize("override, expect", [
+    ("policy.batch_cap=abc", "could not be converted to Integer"),
+    ("policy.adapt_to_hardware=maybe", "not a valid bool"),
+    ("max_new_tokens=1.5", "could not be converted to Integer"),
+    ("output=xml", "expected one of [text, json]"),
+    ("model.dtype=float64", "expected one of [bfloat16, float32]"),
+])
+def test_wrong_type(override, expect):
+    key, value = override.split("=")
+    with pytest.raises(ConfigCompositionException) as e:
+        compose([override])
+    assert key in str(e.value), str(e.value)
+    cause = e.value.__cause__
+    assert isinstance(cause, ValidationError), repr(cause)
+    assert expect in str(cause) and f"full_key: {key}" in str(cause), str(cause)
+
+
+@pytest.mark.parametrize("overrides, knob", [
+    (["policy.ring_len=zero"], "policy.ring_len"),
+    (["policy.ring_len=0"], "policy.ring_len"),
+    (["policy.batch_cap=99"], "policy.batch_cap"),  # > max_batch (8)
+    (["policy.max_batch=4"], "policy.max_batch"),  # < batch_cap (6)
+    (["policy.max_batch=0"], "policy.max_batch"),
+    (["policy.cpu_kernel=avx9"], "policy.cpu_kernel"),
+    (["policy.cpu_threads=-1"], "policy.cpu_threads"),
+    (["policy.max_context=0"], "policy.max_context"),
+    (["top_p=0"], "top_p"),
+    (["top_p=1.5"], "top_p"),
+    (["temperature=-0.1"], "temperature"),
+    (["max_new_tokens=0"], "max_new_tokens"),
+    (["top_k=-1"], "top_k"),
+    (["+hw=cpu_only", "hw.cpu.sockets=0"], "hw.cpu"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_invalid_value(overrides, knob):
+    """Caught by a `__post_init__` check when the config becomes dataclasses; it composes fine."""
+    cfg = compose(overrides)
+    with pytest.raises(ValueError) as e:
+        to_settings(cfg)
+    # OmegaConf passes the ValueError through as raised: not wrapped in one of its own errors.
+    assert not isinstance(e.value, OmegaConfBaseException), repr(e.value)
+    assert knob in str(e.value), f"{overrides}: {e.value}"
+
+
+def test_hw_without_plus():
+    """hw is not in the defaults list: overriding it is Hydra's error, with the `+` form as the hint."""
+    with pytest.raises(ConfigCompositionException, match="Could not override 'hw'") as e:
+        compose(["hw=epyc2x_5090x2"])
+    assert "+hw=epyc2x_5090x2" in str(e.value)
+
+
+@pytest.mark.parametrize("override, group", [("model=nope", "model"), ("+hw=nope", "hw"), ("policy=nope", "policy")])
+def test_unknown_option(override, group):
+    with pytest.raises(MissingConfigException) as e:
+        compose([override])
+    msg = str(e.value)
+    assert f"Could not find '{group}/nope'" in msg
+    assert all(option in msg for option in _options(group)), msg  # the options are listed
+

@@ -1,0 +1,61 @@
+"""`python -m hybrid` end to end, as a user runs it (a subprocess each)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def hybrid(*args: str, tmp_path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HYBRID_RUNS_DIR": str(tmp_path / "runs")}
+    return subprocess.run([sys.executable, "-m", "hybrid", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("cli")
+
+
+def test_generate_json_on_embedded_default(runs):
+    p = hybrid("output=json", "max_new_tokens=5", "prompt=Hello", tmp_path=runs)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["prompt_ids"][1:] and len(out["output_ids"]) == 5
+    assert out["ttft_s"] > 0 and out["tpot_s"] > 0 and isinstance(out["text"], str)
+    assert (runs / "runs" / "models").is_dir(), "the tiny checkpoint is generated under runs/models/"
+
+
+def test_generate_text_streams_then_summarises(runs):
+    p = hybrid("max_new_tokens=4", "prompt=Hi", "temperature=0.7", "top_p=0.9", "seed=1", tmp_path=runs)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("Hi") and "TTFT" in p.stdout and "TPOT" in p.stdout and "tok/s" in p.stdout
+
+
+def test_profile_prints_resolved_config(runs):
+    p = hybrid("+hw=epyc2x_5090x2", "--cfg", "job", tmp_path=runs)
+    assert p.returncode == 0, p.stderr
+    assert "name: epyc2x_5090x2" in p.stdout and "RTX 5090" in p.stdout and "ring_len" in p.stdout
+
+
+def test_profile_the_machine_lacks_explains_and_stops(runs):
+    p = hybrid("+hw=epyc2x_5090x2", tmp_path=runs)
+    assert p.returncode == 2
+    assert "GPUs: profile 'epyc2x_5090x2' needs 2" in p.stderr and "adapt_to_hardware" in p.stderr
+
+
+def test_adapting_warns_and_runs(runs):
+    p = hybrid("+hw=epyc2x_5090x2", "policy.adapt_to_hardware=true", "max_new_tokens=2", "output=json",
+               tmp_path=runs)
+    assert p.returncode == 0, p.stderr
+    assert "warning: no GPU present" in p.stderr and json.loads(p.stdout.splitlines()[-1])["hw"] == "epyc2x_5090x2"
+
+
+def test_bad_input_gets_one_clear_line(runs, tmp_path):
+    p = hybrid(f"model.path={tmp_path}", tmp_path=runs)
+    assert p.returncode == 2 and "config.json: not found" in p.stderr and "Traceback" not in p.stderr
+    p = hybrid("policy.ring_len=zero", tmp_path=runs)
+    assert p.returncode == 2 and "policy.ring_len" in p.stderr and "Traceback" not in p.stderr
