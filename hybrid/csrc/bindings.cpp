@@ -3,9 +3,30 @@
 #include <pybind11/stl.h>
 
 #include "cpu_features.h"
+#include "gemm_op.h"
+#include "membw.h"
+#include "moe.h"
+#include "thread_pool.h"
+
+namespace py = pybind11;
+using namespace hybrid;
+using nogil = py::call_guard<py::gil_scoped_release>;
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "hybrid native CPU code";
-  m.def("cpu_features", &hybrid::cpu_features, "ISA features from cpuid/xgetbv");
-  m.def("cpu_brand", &hybrid::cpu_brand, "processor brand string");
+  m.def("cpu_features", &cpu_features, "ISA features from cpuid/xgetbv");
+  m.def("cpu_brand", &cpu_brand, "processor brand string");
+  py::class_<View>(m, "View").def(py::init<uintptr_t, std::string, std::vector<int64_t>, std::vector<int64_t>>());
+  m.def("gemm", &gemm, nogil(), "y = x · wᵀ (FP8 block-scaled or BF16 weights)");
+  m.def("selected_isa", &selected_isa, "the kernel variant a name resolves to on this CPU");
+  m.def("set_num_threads", &set_num_threads, nogil(), "resize the kernel thread pool (0 = all CPUs)");
+  m.def("num_threads", &num_threads, "threads in the kernel thread pool");
+  m.def("read_bandwidth", &read_bandwidth, nogil(), "measured memory read roof, GB/s");
+  py::class_<MoELayer>(m, "MoELayer")
+      .def(py::init<const std::vector<View>&, const std::vector<View>&, const std::vector<View>&,
+                    const std::vector<View>&, const std::vector<View>&, const std::vector<View>&>())
+      .def("forward", &MoELayer::forward, nogil())
+      .def("submit", &MoELayer::submit, nogil())
+      .def("wait", &MoELayer::wait, nogil())
+      .def_property_readonly("global_syncs", &MoELayer::last_global_syncs);
 }

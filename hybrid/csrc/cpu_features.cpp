@@ -27,7 +27,7 @@ bool bit(uint32_t reg, int n) { return (reg >> n) & 1u; }
 
 }  // namespace
 
-std::map<std::string, bool> cpu_features() {
+static std::map<std::string, bool> read_features() {
   const Regs l1 = cpuid(1, 0);
   const Regs l7 = cpuid(7, 0);
   const Regs l7s1 = cpuid(7, 1);
@@ -56,6 +56,11 @@ std::map<std::string, bool> cpu_features() {
   f["amx_bf16"] = os_amx && bit(l7.edx, 22);
   f["amx_tile"] = os_amx && bit(l7.edx, 24);
   f["amx_int8"] = os_amx && bit(l7.edx, 25);
+  return f;
+}
+
+std::map<std::string, bool> cpu_features() {
+  static const std::map<std::string, bool> f = read_features();  // cpuid traps to the hypervisor in VMs: once
   return f;
 }
 

@@ -1,0 +1,61 @@
+// Y[M,N] (fp32) = X[M,K] (bf16) · W[N,K]^T, W in FP8 E4M3 with one fp32 scale per 128x128 block ("post-scaling":
+// each block's scale is applied once to that block's dot product), or W in BF16.
+// One row-range entry point per ISA; threads split N in 128-row-aligned ranges (see gemm.cpp).
+// The ISA files are compiled with their own -m flags: they define no inline or template code that other files
+// could share (the linker could pick their copy and run it on a CPU without that ISA).
+#pragma once
+#include <cstdint>
+
+namespace hybrid {
+
+enum class WeightType { fp8, bf16 };
+enum class Isa { generic = 0, avx2 = 1, avx512_bf16 = 2 };
+
+constexpr int kBlock = 128;  // FP8 scale block (both dims)
+
+struct GemmProblem {
+  const uint16_t* x;  // [M, K] bf16, row stride ldx (elements)
+  int64_t ldx;
+  const void* w;  // [N, K] fp8 or bf16, row stride ldw (elements)
+  int64_t ldw;
+  const float* scale;  // [ceil(N/128), ceil(K/128)] fp32, row stride lds; null for bf16
+  int64_t lds;
+  float* y;  // [M, N] fp32, row stride ldy
+  int64_t ldy;
+  int64_t M, N, K;
+  WeightType wt;
+};
+
+// Activations prepared once per call for the AVX-512 kernel: bf16, K padded to 64-wide chunks with zeros, and
+// for FP8 weights in the lane order the kernel's weight conversion produces (see lane_of_k).
+constexpr int64_t kChunk = 64;
+static inline int64_t padded_k(int64_t K) { return (K + kChunk - 1) / kChunk * kChunk; }
+// Where k (0..63 within a chunk) sits in the AVX-512 FP8 lane order, and back.
+static inline int64_t lane_of_k(int64_t k) { return ((k % 16) / 8) * 32 + (k / 16) * 8 + k % 8; }
+static inline int64_t k_of_lane(int64_t w) { return 16 * ((w % 32) / 8) + 8 * (w / 32) + w % 8; }
+
+// Compute rows [n0, n1) of Y. n0 must be a multiple of 4 (and of 128 when splitting across threads).
+void gemm_rows_generic(const GemmProblem& p, int64_t n0, int64_t n1);
+void gemm_rows_avx2(const GemmProblem& p, int64_t n0, int64_t n1);
+void gemm_rows_avx512(const GemmProblem& p, const uint16_t* xprep, int64_t n0, int64_t n1, uint16_t* tile_buf);
+
+// AVX-512: activations in the kernel's lane order (fp8 path) or natural order (bf16 path).
+void prepare_x_avx512(const GemmProblem& p, uint16_t* xprep);
+// Scratch the AVX-512 prefill path needs per thread (a converted weight tile), in uint16 elements.
+constexpr int64_t kTileRows = 16;
+static inline int64_t tile_buf_elems(int64_t K) { return kTileRows * padded_k(K); }
+
+// FP8 E4M3 code -> float (exact; NaN for 0x7F/0xFF).
+float fp8_to_float(uint8_t code);
+static inline float bf16_to_float(uint16_t v) {
+  union { uint32_t u; float f; } c{uint32_t(v) << 16};
+  return c.f;
+}
+static inline uint16_t float_to_bf16(float f) {  // round to nearest even
+  union { float f; uint32_t u; } c{f};
+  return uint16_t((c.u + 0x7FFF + ((c.u >> 16) & 1)) >> 16);
+}
+// A thread's float scratch (the AVX2 kernel's fp32 activations), kept out of the ISA-specific files.
+float* thread_floats(int64_t n);
+
+}  // namespace hybrid

@@ -1,0 +1,234 @@
+// AVX-512 BF16 kernel (compiled with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx512vbmi).
+//
+// FP8 -> BF16 is exact and costs ~6 vector ops per 64 weights: the 7 magnitude bits index two 128-entry byte
+// tables (vpermi2b: the high and the low byte of the BF16 value), the sign bit is merged with one vpternlog, and
+// two byte unpacks form the 16-bit lanes. The unpacks leave the 64 weights in a fixed lane order, so activations
+// are prepared once per call in that same order. Products go through vdpbf16ps into fp32 block accumulators; each
+// 128-wide K block's scale is applied once, with one FMA per accumulator ("post-scaling").
+#include <immintrin.h>
+
+#include <cstring>
+#include <cstdlib>
+
+#include "gemm.h"
+
+namespace hybrid {
+namespace {
+
+constexpr int64_t kTileM = 8;  // from this many tokens on, convert each weight tile once and reuse it
+
+inline int64_t lo(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t hi(int64_t a, int64_t b) { return a > b ? a : b; }
+
+struct Tables {
+  __m512i hi0, hi1, lo0, lo1, sign;
+  Tables() {
+    alignas(64) uint8_t hi[128], lo[128];
+    for (int c = 0; c < 128; ++c) {
+      const float f = fp8_to_float(uint8_t(c));
+      uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      const uint16_t b = c == 0x7F ? 0x7FC0 : uint16_t(bits >> 16);  // exact: E4M3 has 3 mantissa bits
+      hi[c] = uint8_t(b >> 8);
+      lo[c] = uint8_t(b & 0xFF);
+    }
+    hi0 = _mm512_load_si512(hi);
+    hi1 = _mm512_load_si512(hi + 64);
+    lo0 = _mm512_load_si512(lo);
+    lo1 = _mm512_load_si512(lo + 64);
+    sign = _mm512_set1_epi8(char(0x80));
+  }
+};
+
+inline void fp8_to_bf16(const Tables& t, __m512i v, __m512i& a, __m512i& b) {
+  __m512i hi = _mm512_permutex2var_epi8(t.hi0, v, t.hi1);
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, v, t.lo1);
+  hi = _mm512_ternarylogic_epi32(hi, v, t.sign, 0xF8);  // hi | (v & 0x80)
+  a = _mm512_unpacklo_epi8(lo, hi);
+  b = _mm512_unpackhi_epi8(lo, hi);
+}
+
+inline __mmask64 tail_mask(int64_t n) { return n >= 64 ? ~__mmask64(0) : (__mmask64(1) << n) - 1; }
+
+struct Fp8Rows {  // FP8 weights straight from the checkpoint, converted as they are read
+  const uint8_t* w;
+  int64_t ldw, K;
+  const Tables* t;
+  int64_t prefetch;  // bytes ahead to prefetch: the same spot of the next row tile
+  void load(int r, int64_t c, __m512i& a, __m512i& b) const {
+    const uint8_t* p = w + r * ldw + c * kChunk;
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(p + prefetch), _MM_HINT_T1);
+    const int64_t left = K - c * kChunk;
+    const __m512i v = left >= kChunk ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(tail_mask(left), p);
+    fp8_to_bf16(*t, v, a, b);
+  }
+};
+
+struct Bf16Rows {  // BF16 weights from the checkpoint, natural lane order
+  const uint16_t* w;
+  int64_t ldw, K;
+  void load(int r, int64_t c, __m512i& a, __m512i& b) const {
+    const uint16_t* p = w + r * ldw + c * kChunk;
+    const int64_t left = K - c * kChunk;
+    if (left >= kChunk) {
+      a = _mm512_loadu_si512(p);
+      b = _mm512_loadu_si512(p + 32);
+    } else {
+      a = _mm512_maskz_loadu_epi16(__mmask32(tail_mask(lo(left, 32))), p);
+      b = _mm512_maskz_loadu_epi16(__mmask32(tail_mask(hi(left - 32, 0))), p + 32);
+    }
+  }
+};
+
+struct Bf16Tile {  // FP8 weights converted once into a buffer (kernel lane order), reused across tokens
+  const uint16_t* buf;
+  int64_t ld;
+  void load(int r, int64_t c, __m512i& a, __m512i& b) const {
+    const uint16_t* p = buf + r * ld + c * kChunk;
+    a = _mm512_load_si512(p);
+    b = _mm512_load_si512(p + 32);
+  }
+};
+
+inline __m512bh bh(__m512i v) { return (__m512bh)v; }
+
+int64_t prefetch_rows() {
+  static const int64_t v = getenv("HYBRID_PF") ? atol(getenv("HYBRID_PF")) : 4;
+  return v;
+}
+
+const Tables& tables() {
+  static const Tables t;
+  return t;
+}
+
+// Y[m0:m0+MT, n:n+R] for one tile: R rows share one scale row (they lie in one 128-row block).
+template <int R, int MT, class Load>
+void tile(const Load& L, const uint16_t* xp, int64_t ldxp, int64_t K, const float* srow, float* y, int64_t ldy) {
+  __m512 acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+  const int64_t n_chunks = (K + kChunk - 1) / kChunk;
+  for (int64_t kb = 0; kb * kBlock < K; ++kb) {
+    __m512 blk[R][MT];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) blk[r][m] = _mm512_setzero_ps();
+    for (int64_t c = 2 * kb; c < lo(2 * kb + 2, n_chunks); ++c) {
+      __m512i wa[R], wb[R];
+      for (int r = 0; r < R; ++r) L.load(r, c, wa[r], wb[r]);
+      for (int m = 0; m < MT; ++m) {
+        const __m512i xa = _mm512_loadu_si512(xp + m * ldxp + c * kChunk);
+        const __m512i xb = _mm512_loadu_si512(xp + m * ldxp + c * kChunk + 32);
+        for (int r = 0; r < R; ++r) {
+          blk[r][m] = _mm512_dpbf16_ps(blk[r][m], bh(wa[r]), bh(xa));
+          blk[r][m] = _mm512_dpbf16_ps(blk[r][m], bh(wb[r]), bh(xb));
+        }
+      }
+    }
+    const __m512 s = _mm512_set1_ps(srow ? srow[kb] : 1.0f);
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(blk[r][m], s, acc[r][m]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) y[m * ldy + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+// One token, one row at a time: each thread reads its rows as one sequential stream (what the hardware
+// prefetcher follows best), four independent block accumulators keep vdpbf16ps latency off the critical path.
+void gemv_rows(const GemmProblem& p, const uint16_t* xp, int64_t n0, int64_t n1) {
+  const Tables& t = tables();
+  const int64_t n_chunks = (p.K + kChunk - 1) / kChunk, pf = prefetch_rows();
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = static_cast<const uint8_t*>(p.w) + n * p.ldw;
+    const float* srow = p.scale + (n / kBlock) * p.lds;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb * kBlock < p.K; ++kb) {
+      __m512 b[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t c = 2 * kb, j = 0; c < lo(2 * kb + 2, n_chunks); ++c, j += 2) {
+        const uint8_t* src = w + c * kChunk;
+        if (pf) _mm_prefetch(reinterpret_cast<const char*>(src + pf), _MM_HINT_T0);
+        const int64_t left = p.K - c * kChunk;
+        const __m512i v = left >= kChunk ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi8(tail_mask(left), src);
+        __m512i wa, wb;
+        fp8_to_bf16(t, v, wa, wb);
+        b[j] = _mm512_dpbf16_ps(b[j], bh(wa), bh(_mm512_loadu_si512(xp + c * kChunk)));
+        b[j + 1] = _mm512_dpbf16_ps(b[j + 1], bh(wb), bh(_mm512_loadu_si512(xp + c * kChunk + 32)));
+      }
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(b[0], b[1]), _mm512_add_ps(b[2], b[3]));
+      acc = _mm512_fmadd_ps(sum, _mm512_set1_ps(srow[kb]), acc);
+    }
+    p.y[n] = _mm512_reduce_add_ps(acc);
+  }
+}
+
+// All tokens for rows [n0, n1) with loader factory `at(n)` giving a loader whose row 0 is row n.
+template <int R, int MT, class At>
+void rows(const GemmProblem& p, const uint16_t* xp, int64_t n0, int64_t n1, At at) {
+  const int64_t ldxp = padded_k(p.K);
+  for (int64_t n = n0; n < n1;) {
+    const float* srow = p.scale ? p.scale + (n / kBlock) * p.lds : nullptr;
+    const bool full = n + R <= n1;
+    int64_t m = 0;
+    for (; m + MT <= p.M; m += MT) {
+      if (full) tile<R, MT>(at(n), xp + m * ldxp, ldxp, p.K, srow, p.y + m * p.ldy + n, p.ldy);
+      else tile<1, MT>(at(n), xp + m * ldxp, ldxp, p.K, srow, p.y + m * p.ldy + n, p.ldy);
+    }
+    for (; m < p.M; ++m) {
+      if (full) tile<R, 1>(at(n), xp + m * ldxp, ldxp, p.K, srow, p.y + m * p.ldy + n, p.ldy);
+      else tile<1, 1>(at(n), xp + m * ldxp, ldxp, p.K, srow, p.y + m * p.ldy + n, p.ldy);
+    }
+    n += full ? R : 1;
+  }
+}
+
+
+void convert_tile(const GemmProblem& p, int64_t n, int64_t count, uint16_t* buf) {
+  const Fp8Rows L{static_cast<const uint8_t*>(p.w) + n * p.ldw, p.ldw, p.K, &tables(), kTileRows * p.ldw};
+  const int64_t ld = padded_k(p.K);
+  for (int r = 0; r < count; ++r)
+    for (int64_t c = 0; c * kChunk < p.K; ++c) {
+      __m512i a, b;
+      L.load(r, c, a, b);
+      _mm512_store_si512(buf + r * ld + c * kChunk, a);
+      _mm512_store_si512(buf + r * ld + c * kChunk + 32, b);
+    }
+}
+
+}  // namespace
+
+void prepare_x_avx512(const GemmProblem& p, uint16_t* xprep) {
+  const int64_t kp = padded_k(p.K);
+  const bool permute = p.wt == WeightType::fp8;
+  for (int64_t m = 0; m < p.M; ++m) {
+    const uint16_t* x = p.x + m * p.ldx;
+    uint16_t* out = xprep + m * kp;
+    for (int64_t c = 0; c < kp; c += kChunk)
+      for (int64_t w = 0; w < kChunk; ++w) {
+        const int64_t k = c + (permute ? k_of_lane(w) : w);
+        out[c + w] = k < p.K ? x[k] : 0;
+      }
+  }
+}
+
+void gemm_rows_avx512(const GemmProblem& p, const uint16_t* xp, int64_t n0, int64_t n1, uint16_t* tile_buf) {
+  if (p.wt == WeightType::bf16) {
+    const auto* w = static_cast<const uint16_t*>(p.w);
+    rows<4, 2>(p, xp, n0, n1, [&](int64_t n) { return Bf16Rows{w + n * p.ldw, p.ldw, p.K}; });
+    return;
+  }
+  const auto* w = static_cast<const uint8_t*>(p.w);
+  if (p.M < kTileM) {
+    if (p.M == 1 && getenv("HYBRID_SEQ")) gemv_rows(p, xp, n0, n1);
+    else if (p.M == 1) rows<4, 1>(p, xp, n0, n1, [&](int64_t n) { return Fp8Rows{w + n * p.ldw, p.ldw, p.K, &tables(), prefetch_rows() * p.ldw}; });
+    else rows<4, 2>(p, xp, n0, n1, [&](int64_t n) { return Fp8Rows{w + n * p.ldw, p.ldw, p.K, &tables(), 4 * p.ldw}; });
+    return;
+  }
+  const int64_t ld = padded_k(p.K);
+  for (int64_t g = n0; g < n1; g += kTileRows) {
+    const int64_t count = lo(kTileRows, n1 - g);
+    convert_tile(p, g, count, tile_buf);
+    rows<4, 2>(p, xp, g, g + count, [&](int64_t n) { return Bf16Tile{tile_buf + (n - g) * ld, ld}; });
+  }
+}
+
+}  // namespace hybrid

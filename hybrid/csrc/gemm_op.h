@@ -1,0 +1,21 @@
+// y = x · wᵀ over the thread pool (see gemm.h for the kernels).
+#pragma once
+#include <optional>
+#include <string>
+
+#include "dispatch.h"
+#include "gemm.h"
+#include "scratch.h"
+#include "tensor_view.h"
+
+namespace hybrid {
+
+// x [M, K] bf16; w [N, K] float8_e4m3fn (+ scale [ceil(N/128), ceil(K/128)] f32) or bf16; y [M, N] f32.
+void gemm(const View& x, const View& w, std::optional<View> scale, const View& y, const std::string& isa);
+GemmProblem make_problem(const View& x, const View& w, const View* scale, const View& y);
+// Activations in the layout `isa` reads (xprep = null when the kernel reads p.x itself).
+void prepare_x(Isa isa, const GemmProblem& p, Scratch<uint16_t>& buf, const uint16_t** xprep);
+int64_t row_chunk(int64_t N, int threads);
+std::string selected_isa(const std::string& name);
+
+}  // namespace hybrid

@@ -1,0 +1,266 @@
+#include "moe.h"
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "dispatch.h"
+#include "gemm_op.h"
+#include "thread_pool.h"
+
+namespace hybrid {
+
+struct MoELayer::Plan {
+  Isa isa = Isa::generic;
+  int64_t T = 0, K = 0;
+  const uint16_t* x = nullptr;
+  int64_t ldx = 0;
+  const float* wts = nullptr;
+  int64_t ldw = 0;
+  void* out = nullptr;
+  bool out_bf16 = false;
+  int64_t ldo = 0;
+  std::vector<int32_t> used;          // experts with at least one token
+  std::vector<int64_t> row0, rows;    // per used expert: first row in the grouped buffers, token count
+  std::vector<int32_t> token;         // per grouped row: its token
+  std::vector<int64_t> slot_row;      // per (t, k): its grouped row
+  std::vector<Task> tasks;
+  std::unique_ptr<std::atomic<int>[]> gu_left, prep;  // per used expert
+  std::atomic<int64_t> next_task{0}, next_reduce{0};
+  std::atomic<int> arrived{0};
+  int threads = 1;
+  int64_t reduce_chunk = 0, n_reduce = 0, ldxp = 0, ldh = 0;
+  Scratch<uint16_t> xg, xprep, h;
+  Scratch<float> g, u, y;
+};
+
+namespace {
+
+void fail(const std::string& msg) { throw std::invalid_argument(msg); }
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+std::string at(const char* what, size_t e) { return std::string(what) + "[" + std::to_string(e) + "]"; }
+
+int64_t read_id(const View& ids, int64_t t, int64_t k) {
+  const int64_t i = t * ids.strides[0] + k;
+  return ids.dtype == "int64" ? ids.data<const int64_t>()[i] : ids.data<const int32_t>()[i];
+}
+
+}  // namespace
+
+MoELayer::MoELayer(const std::vector<View>& gate, const std::vector<View>& gate_scale, const std::vector<View>& up,
+                   const std::vector<View>& up_scale, const std::vector<View>& down,
+                   const std::vector<View>& down_scale)
+    : p_(std::make_unique<Plan>()) {
+  const size_t E = gate.size();
+  if (E == 0 || up.size() != E || down.size() != E) fail("gate, up and down need one weight per expert, same count");
+  wt_ = gate[0].dtype == "bfloat16" ? WeightType::bf16 : WeightType::fp8;
+  const size_t n_scales = wt_ == WeightType::fp8 ? E : 0;
+  if (gate_scale.size() != n_scales || up_scale.size() != n_scales || down_scale.size() != n_scales)
+    fail(wt_ == WeightType::fp8 ? "FP8 experts need one scale per weight" : "BF16 experts take no scales");
+  I_ = gate[0].dim(0);
+  D_ = gate[0].dim(1);
+  const char* dtype = wt_ == WeightType::fp8 ? "float8_e4m3fn" : "bfloat16";
+  for (size_t e = 0; e < E; ++e) {
+    const View* ws[3] = {&gate[e], &up[e], &down[e]};
+    const char* names[3] = {"gate", "up", "down"};
+    for (int j = 0; j < 3; ++j) check_view(*ws[j], at(names[j], e).c_str(), {dtype}, 2);
+    check_shape(gate[e], at("gate", e).c_str(), {I_, D_});
+    check_shape(up[e], at("up", e).c_str(), {I_, D_});
+    check_shape(down[e], at("down", e).c_str(), {D_, I_});
+    if (gate[e].strides[0] != up[e].strides[0]) fail(at("up", e) + ": row stride differs from gate's");
+    Expert x{gate[e].data<const void>(), up[e].data<const void>(), down[e].data<const void>(), nullptr, nullptr,
+             nullptr, gate[e].strides[0], down[e].strides[0], 0, 0};
+    if (n_scales) {
+      const int64_t gi = (I_ + kBlock - 1) / kBlock, gd = (D_ + kBlock - 1) / kBlock;
+      const View* ss[3] = {&gate_scale[e], &up_scale[e], &down_scale[e]};
+      const char* sn[3] = {"gate_scale", "up_scale", "down_scale"};
+      for (int j = 0; j < 3; ++j) check_view(*ss[j], at(sn[j], e).c_str(), {"float32"}, 2);
+      check_shape(gate_scale[e], at("gate_scale", e).c_str(), {gi, gd});
+      check_shape(up_scale[e], at("up_scale", e).c_str(), {gi, gd});
+      check_shape(down_scale[e], at("down_scale", e).c_str(), {gd, gi});
+      if (gate_scale[e].strides[0] != up_scale[e].strides[0]) fail(at("up_scale", e) + ": row stride differs");
+      x.gs = gate_scale[e].data<const float>();
+      x.us = up_scale[e].data<const float>();
+      x.ds = down_scale[e].data<const float>();
+      x.lds_gu = gate_scale[e].strides[0];
+      x.lds_d = down_scale[e].strides[0];
+    }
+    w_.push_back(x);
+  }
+}
+
+MoELayer::~MoELayer() { wait(); }
+
+void MoELayer::plan(const View& x, const View& ids, const View& weights, const View& out) {
+  check_view(x, "x", {"bfloat16"}, 2);
+  check_view(ids, "ids", {"int64", "int32"}, 2);
+  check_view(weights, "weights", {"float32"}, 2);
+  check_view(out, "out", {"float32", "bfloat16"}, 2);
+  const int64_t T = x.dim(0), K = ids.dim(1), E = experts();
+  check_shape(x, "x", {T, D_});
+  check_shape(ids, "ids", {T, K});
+  check_shape(weights, "weights", {T, K});
+  check_shape(out, "out", {T, D_});
+  Plan& p = *p_;
+  std::vector<std::vector<int64_t>> slots(E);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = read_id(ids, t, k);
+      if (e < 0 || e >= E)
+        fail("ids: expert id " + std::to_string(e) + " out of range 0.." + std::to_string(E - 1) + " (token " +
+             std::to_string(t) + ", slot " + std::to_string(k) + ")");
+      slots[e].push_back(t * K + k);
+    }
+  p.T = T, p.K = K;
+  p.x = x.data<const uint16_t>(), p.ldx = x.strides[0];
+  p.wts = weights.data<const float>(), p.ldw = weights.strides[0];
+  p.out = reinterpret_cast<void*>(out.ptr), p.out_bf16 = out.dtype == "bfloat16", p.ldo = out.strides[0];
+  p.used.clear(), p.row0.clear(), p.rows.clear(), p.token.clear();
+  p.slot_row.assign(T * K, 0);
+  for (int64_t e = 0; e < E; ++e) {
+    if (slots[e].empty()) continue;
+    p.used.push_back(int32_t(e));
+    p.row0.push_back(int64_t(p.token.size()));
+    p.rows.push_back(int64_t(slots[e].size()));
+    for (int64_t s : slots[e]) {
+      p.slot_row[s] = int64_t(p.token.size());
+      p.token.push_back(int32_t(s / K));
+    }
+  }
+}
+
+void MoELayer::submit(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa) {
+  if (pending_) fail("a previous submit() has not been waited for");
+  plan(x, ids, weights, out);
+  Plan& p = *p_;
+  p.isa = resolve_isa(isa);
+  ThreadPool& tp = pool();
+  p.threads = tp.async_size();
+  const int64_t R = int64_t(p.token.size()), n_used = int64_t(p.used.size());
+  const bool avx512 = p.isa == Isa::avx512_bf16;
+  p.ldxp = padded_k(D_);
+  p.ldh = avx512 ? padded_k(I_) : I_;
+  p.xg.get(R * D_);
+  if (avx512) p.xprep.get(R * p.ldxp);
+  p.h.get(R * p.ldh, /*zero=*/avx512 && p.ldh != I_);
+  p.g.get(R * I_), p.u.get(R * I_), p.y.get(R * D_);
+
+  const int64_t per_expert = std::max<int64_t>(1, (4 * p.threads + n_used - 1) / std::max<int64_t>(n_used, 1));
+  const int64_t gu_chunk = round_up((I_ + per_expert - 1) / per_expert, 64);
+  const int64_t d_chunk = round_up((D_ + per_expert - 1) / per_expert, 16);
+  p.tasks.clear();
+  auto push = [&](int32_t e, int32_t stage, int64_t n, int64_t chunk) {
+    for (int64_t r = 0; r < n; r += chunk) p.tasks.push_back({e, stage, r, std::min(n, r + chunk)});
+  };
+  p.gu_left.reset(new std::atomic<int>[n_used]);
+  p.prep.reset(new std::atomic<int>[n_used]);
+  for (int32_t e = 0; e < n_used; ++e) {
+    p.gu_left[e] = int((I_ + gu_chunk - 1) / gu_chunk);
+    p.prep[e] = 0;
+    push(e, 0, I_, gu_chunk);
+    if (e > 0) push(e - 1, 1, D_, d_chunk);  // one expert behind: its gate/up is usually done by then
+  }
+  if (n_used) push(int32_t(n_used - 1), 1, D_, d_chunk);
+  p.reduce_chunk = std::min<int64_t>(D_, 512);
+  p.n_reduce = p.T * ((D_ + p.reduce_chunk - 1) / p.reduce_chunk);
+  p.next_task = 0, p.next_reduce = 0, p.arrived = 0;
+  pending_ = true;
+  tp.submit([this](int worker) { run_job(worker); });
+}
+
+void MoELayer::wait() {
+  if (!pending_) return;
+  pool().wait();
+  pending_ = false;
+}
+
+void MoELayer::prepare_expert(int e) {
+  Plan& p = *p_;
+  int expected = 0;
+  if (p.prep[e].compare_exchange_strong(expected, 1)) {
+    const int64_t base = p.row0[e];
+    for (int64_t r = 0; r < p.rows[e]; ++r)
+      std::memcpy(p.xg.data() + (base + r) * D_, p.x + p.token[base + r] * p.ldx, D_ * sizeof(uint16_t));
+    if (p.isa == Isa::avx512_bf16) {
+      const GemmProblem q{p.xg.data() + base * D_, D_, nullptr, 0, nullptr, 0, nullptr, 0, p.rows[e], 0, D_, wt_};
+      prepare_x_avx512(q, p.xprep.data() + base * p.ldxp);
+    }
+    p.prep[e].store(2, std::memory_order_release);
+  }
+  while (p.prep[e].load(std::memory_order_acquire) != 2) _mm_pause();
+}
+
+void MoELayer::gate_up(int e, int64_t r0, int64_t r1, uint16_t* tile) {
+  Plan& p = *p_;
+  prepare_expert(e);
+  const Expert& w = w_[p.used[e]];
+  const int64_t base = p.row0[e], M = p.rows[e];
+  const uint16_t* x = p.xg.data() + base * D_;
+  const uint16_t* xprep = p.isa == Isa::avx512_bf16 ? p.xprep.data() + base * p.ldxp : nullptr;
+  float* g = p.g.data() + base * I_;
+  float* u = p.u.data() + base * I_;
+  gemm_rows(p.isa, {x, D_, w.gate, w.ld_gu, w.gs, w.lds_gu, g, I_, M, I_, D_, wt_}, xprep, r0, r1, tile);
+  gemm_rows(p.isa, {x, D_, w.up, w.ld_gu, w.us, w.lds_gu, u, I_, M, I_, D_, wt_}, xprep, r0, r1, tile);
+  const bool lanes = p.isa == Isa::avx512_bf16;
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t* h = p.h.data() + (base + m) * p.ldh;
+    for (int64_t i = r0; i < r1; ++i) {
+      const float a = g[m * I_ + i];
+      const float v = a / (1.0f + std::exp(-a)) * u[m * I_ + i];
+      h[lanes ? i / kChunk * kChunk + lane_of_k(i % kChunk) : i] = float_to_bf16(v);
+    }
+  }
+  p.gu_left[e].fetch_sub(1, std::memory_order_acq_rel);
+}
+
+void MoELayer::down(int e, int64_t r0, int64_t r1, uint16_t* tile) {
+  Plan& p = *p_;
+  while (p.gu_left[e].load(std::memory_order_acquire) != 0) _mm_pause();  // this expert's own barrier
+  const Expert& w = w_[p.used[e]];
+  const int64_t base = p.row0[e];
+  const uint16_t* h = p.h.data() + base * p.ldh;
+  const GemmProblem q{h, p.ldh, w.down, w.ld_d, w.ds, w.lds_d, p.y.data() + base * D_, D_, p.rows[e], D_, I_, wt_};
+  gemm_rows(p.isa, q, p.isa == Isa::avx512_bf16 ? h : nullptr, r0, r1, tile);
+}
+
+void MoELayer::reduce(int64_t t, int64_t d0, int64_t d1) {
+  Plan& p = *p_;
+  float acc[512];
+  for (int64_t d = d0; d < d1; ++d) acc[d - d0] = 0.f;
+  for (int64_t k = 0; k < p.K; ++k) {
+    const float wk = p.wts[t * p.ldw + k];
+    const float* yr = p.y.data() + p.slot_row[t * p.K + k] * D_;
+    for (int64_t d = d0; d < d1; ++d) acc[d - d0] += wk * yr[d];
+  }
+  if (p.out_bf16) {
+    uint16_t* o = static_cast<uint16_t*>(p.out) + t * p.ldo;
+    for (int64_t d = d0; d < d1; ++d) o[d] = float_to_bf16(acc[d - d0]);
+  } else {
+    float* o = static_cast<float*>(p.out) + t * p.ldo;
+    for (int64_t d = d0; d < d1; ++d) o[d] = acc[d - d0];
+  }
+}
+
+void MoELayer::run_job(int) {
+  Plan& p = *p_;
+  uint16_t* tile = p.isa == Isa::avx512_bf16 ? thread_tile(tile_buf_elems(std::max(D_, I_))) : nullptr;
+  const int64_t n_tasks = int64_t(p.tasks.size());
+  for (int64_t i; (i = p.next_task.fetch_add(1)) < n_tasks;) {
+    const Task& t = p.tasks[i];
+    if (t.stage == 0) gate_up(t.expert, t.r0, t.r1, tile);
+    else down(t.expert, t.r0, t.r1, tile);
+  }
+  p.arrived.fetch_add(1, std::memory_order_acq_rel);  // global sync 1: every down projection is done
+  while (p.arrived.load(std::memory_order_acquire) < p.threads) _mm_pause();
+  const int64_t per_token = (D_ + p.reduce_chunk - 1) / p.reduce_chunk;
+  for (int64_t i; (i = p.next_reduce.fetch_add(1)) < p.n_reduce;) {
+    const int64_t t = i / per_token, d0 = (i % per_token) * p.reduce_chunk;
+    reduce(t, d0, std::min(D_, d0 + p.reduce_chunk));
+  }
+}  // global sync 2: the end of the job
+
+}  // namespace hybrid

@@ -1,0 +1,70 @@
+// The routed experts of one MoE layer on the CPU: for T tokens with top-k ids and weights,
+// out[t] = Σ_k w[t,k] · down(SiLU(gate(x[t])) ⊙ up(x[t])) over expert ids[t,k].
+//
+// Tokens are grouped by expert. One job on the thread pool pulls tasks from one list: gate/up tasks split each
+// expert's intermediate rows across threads (SiLU ⊙ fused, the result written straight in the layout the down
+// kernel reads); an expert's down tasks (split along the hidden rows) start as soon as that expert's own gate/up
+// tasks finish (a per-expert counter, no global barrier). Then one barrier, and the weighted sum over k per token.
+// Global synchronisations per layer: 2 (that barrier and the end of the job).
+#pragma once
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gemm.h"
+#include "scratch.h"
+#include "tensor_view.h"
+
+namespace hybrid {
+
+class MoELayer {
+ public:
+  // Per expert e: gate[e], up[e] [I, D] and down[e] [D, I], FP8 (with *_scale [ceil/128 blocks] f32) or BF16
+  // (scale lists empty). The tensors must outlive the layer (the Python wrapper holds them).
+  MoELayer(const std::vector<View>& gate, const std::vector<View>& gate_scale, const std::vector<View>& up,
+           const std::vector<View>& up_scale, const std::vector<View>& down, const std::vector<View>& down_scale);
+  ~MoELayer();  // waits for a submitted call still running
+
+  // x [T, D] bf16; ids [T, K] int64 or int32; weights [T, K] f32; out [T, D] f32 or bf16 (overwritten).
+  void submit(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa);
+  void wait();
+  void forward(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa) {
+    submit(x, ids, weights, out, isa);
+    wait();
+  }
+
+  int64_t experts() const { return int64_t(w_.size()); }
+  int64_t hidden() const { return D_; }
+  int64_t intermediate() const { return I_; }
+  // Global synchronisation points of the last call (for the record: they must stay <= 2).
+  int last_global_syncs() const { return 2; }
+
+ private:
+  struct Expert {
+    const void *gate, *up, *down;
+    const float *gs, *us, *ds;
+    int64_t ld_gu, ld_d, lds_gu, lds_d;
+  };
+  struct Task {
+    int32_t expert;  // index into used_
+    int32_t stage;   // 0 = gate/up rows, 1 = down rows
+    int64_t r0, r1;
+  };
+  struct Plan;
+
+  void plan(const View& x, const View& ids, const View& weights, const View& out);
+  void run_job(int worker);
+  void prepare_expert(int e);
+  void gate_up(int e, int64_t r0, int64_t r1, uint16_t* tile);
+  void down(int e, int64_t r0, int64_t r1, uint16_t* tile);
+  void reduce(int64_t t, int64_t d0, int64_t d1);
+
+  std::vector<Expert> w_;
+  WeightType wt_;
+  int64_t D_, I_;
+  std::unique_ptr<Plan> p_;
+  bool pending_ = false;
+};
+
+}  // namespace hybrid

@@ -1,0 +1,135 @@
+#include "thread_pool.h"
+
+#include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
+
+#include <chrono>
+#include <memory>
+#include <stdexcept>
+
+namespace hybrid {
+namespace {
+
+constexpr auto kSpin = std::chrono::microseconds(200);
+
+std::vector<int> allowed_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  return cpus;
+}
+
+void pin(std::thread& t, int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  pthread_setaffinity_np(t.native_handle(), sizeof(set), &set);
+}
+
+template <class Pred>
+bool spin_until(Pred pred) {
+  const auto end = std::chrono::steady_clock::now() + kSpin;
+  while (!pred()) {
+    _mm_pause();
+    if (std::chrono::steady_clock::now() > end) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(int threads) {
+  if (threads < 1) throw std::invalid_argument("thread pool needs at least one thread");
+  const std::vector<int> cpus = allowed_cpus();
+  for (int i = 1; i < threads; ++i) {  // worker i on the i-th allowed CPU; the caller keeps the first
+    workers_.emplace_back([this, i] { loop(i - 1); });
+    if (!cpus.empty()) pin(workers_.back(), cpus[i % cpus.size()]);
+  }
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void ThreadPool::post(std::function<void(int)> fn, int first_index) {
+  wait();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    job_ = std::move(fn);
+    first_index_ = first_index;
+    pending_.store(int(workers_.size()), std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_release);
+  }
+  wake_.notify_all();
+}
+
+void ThreadPool::run(const std::function<void(int)>& fn) {
+  if (!workers_.empty()) post(fn, 1);
+  fn(0);
+  wait();
+}
+
+void ThreadPool::submit(std::function<void(int)> fn) {
+  if (workers_.empty()) return fn(0);
+  post(std::move(fn), 0);
+}
+
+void ThreadPool::wait() {
+  if (spin_until([this] { return pending_.load(std::memory_order_acquire) == 0; })) return;
+  std::unique_lock<std::mutex> lock(mu_);
+  done_.wait(lock, [this] { return pending_.load(std::memory_order_acquire) == 0; });
+}
+
+void ThreadPool::loop(int index) {
+  uint64_t seen = 0;
+  for (;;) {
+    if (!spin_until([&] { return generation_.load(std::memory_order_acquire) != seen || stop_.load(); })) {
+      std::unique_lock<std::mutex> lock(mu_);
+      wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen || stop_.load(); });
+    }
+    if (stop_.load()) return;
+    seen = generation_.load(std::memory_order_acquire);
+    job_(index + first_index_);
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_.notify_all();
+    }
+  }
+}
+
+namespace {
+std::unique_ptr<ThreadPool>& global() {
+  static std::unique_ptr<ThreadPool> p;
+  return p;
+}
+int default_threads() {
+  const auto cpus = allowed_cpus();
+  return cpus.empty() ? int(std::thread::hardware_concurrency()) : int(cpus.size());
+}
+}  // namespace
+
+ThreadPool& pool() {
+  if (!global()) global() = std::make_unique<ThreadPool>(default_threads());
+  return *global();
+}
+
+void set_num_threads(int threads) {
+  if (threads < 0) throw std::invalid_argument("threads must be >= 0 (0 = every CPU available)");
+  const int n = threads == 0 ? default_threads() : threads;
+  if (global() && global()->size() == n) return;
+  global().reset();
+  global() = std::make_unique<ThreadPool>(n);
+}
+
+int num_threads() { return pool().size(); }
+
+}  // namespace hybrid

@@ -1,0 +1,49 @@
+// A pool of pinned threads. run(fn) runs fn(i) for i in [0, size()): the caller takes i = 0 and threads-1
+// workers the rest, so the caller never sits on a core a worker needs. submit(fn) is asynchronous: the workers
+// alone run fn(i) for i in [0, async_size()) while the caller goes on with its own work until wait(); with no
+// workers it runs fn(0) at once. Workers spin briefly between jobs (decode issues one job per layer, so wake-up
+// latency matters), then sleep.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace hybrid {
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(int threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return int(workers_.size()) + 1; }
+  int async_size() const { return workers_.empty() ? 1 : int(workers_.size()); }
+  void run(const std::function<void(int)>& fn);
+  void submit(std::function<void(int)> fn);
+  void wait();
+
+ private:
+  void post(std::function<void(int)> fn, int first_index);
+  void loop(int index);
+
+  std::vector<std::thread> workers_;
+  std::function<void(int)> job_;
+  int first_index_ = 0;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> pending_{0};
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::condition_variable wake_, done_;
+};
+
+// The process-wide pool the kernels use; resized by set_num_threads (0 = every CPU this process may use).
+ThreadPool& pool();
+void set_num_threads(int threads);
+int num_threads();
+
+}  // namespace hybrid

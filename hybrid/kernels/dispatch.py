@@ -1,0 +1,31 @@
+"""Which CPU kernel variant runs: `policy.cpu_kernel`, else the HYBRID_CPU_KERNEL environment variable, else the
+best the CPU has (avx512_bf16 > avx2 > generic)."""
+from __future__ import annotations
+
+import os
+
+from hybrid import _native
+
+VARIANTS = ("avx512_bf16", "avx2", "generic")
+ENV = "HYBRID_CPU_KERNEL"
+
+
+def kernel_name(requested: str = "auto") -> str:
+    """The variant to ask for: an explicit request wins, then the environment, then auto."""
+    return requested if requested != "auto" else os.environ.get(ENV, "auto")
+
+
+def selected(requested: str = "auto") -> str:
+    """The variant that runs; a variant this CPU lacks raises ValueError naming the missing features."""
+    return _native.selected_isa(kernel_name(requested))
+
+
+def available() -> list[str]:
+    out = []
+    for v in VARIANTS:
+        try:
+            _native.selected_isa(v)
+            out.append(v)
+        except ValueError:
+            pass
+    return out

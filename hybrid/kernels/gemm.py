@@ -1,0 +1,19 @@
+"""y = x · wᵀ on the CPU with FP8 (128x128 block-scaled, post-scaling) or BF16 weights (csrc/gemm.cpp)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from hybrid import _native
+from hybrid.kernels.dispatch import kernel_name
+from hybrid.kernels.view import view
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+         kernel: str = "auto") -> torch.Tensor:
+    """x [M, K] bf16; w [N, K] float8_e4m3fn with scale [ceil(N/128), ceil(K/128)] f32, or bf16; -> [M, N] f32."""
+    if out is None:
+        out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    _native.gemm(view(x), view(w), None if scale is None else view(scale), view(out), kernel_name(kernel))
+    return out

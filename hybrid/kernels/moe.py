@@ -1,0 +1,51 @@
+"""The routed experts of one MoE layer on the CPU, fused (csrc/moe.cpp): Σ_k w·down(SiLU(gate(x))⊙up(x)).
+
+Weights stay where the checkpoint put them (memory-mapped FP8, 128x128 block scales): the kernels read the
+row-major [N, K] layout directly, so nothing is repacked and no second copy exists.
+Legend: T tokens, D hidden, K experts per token.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from hybrid import _native
+from hybrid.kernels.dispatch import kernel_name
+from hybrid.kernels.view import view
+
+
+class CpuMoE:
+    def __init__(self, gate: Sequence[torch.Tensor], up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
+                 gate_scale: Sequence[torch.Tensor] = (), up_scale: Sequence[torch.Tensor] = (),
+                 down_scale: Sequence[torch.Tensor] = (), kernel: str = "auto"):
+        self._keep = [list(t) for t in (gate, up, down, gate_scale, up_scale, down_scale)]  # the C++ holds addresses
+        self.kernel = kernel
+        self._op = _native.MoELayer(*[[view(t) for t in ts] for ts in
+                                      (gate, gate_scale, up, up_scale, down, down_scale)])
+        self._inflight: Optional[tuple] = None
+
+    def submit(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+               out_TD: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Start the layer on the CPU threads and return at once; `wait()` before reading the result."""
+        x_TD = x_TD.to(torch.bfloat16).contiguous()
+        ids_TK, weights_TK = ids_TK.contiguous(), weights_TK.to(torch.float32).contiguous()
+        if out_TD is None:
+            out_TD = torch.empty(x_TD.shape, dtype=torch.float32)
+        self._inflight = (x_TD, ids_TK, weights_TK, out_TD)  # alive until wait()
+        self._op.submit(view(x_TD), view(ids_TK), view(weights_TK), view(out_TD), kernel_name(self.kernel))
+        return out_TD
+
+    def wait(self) -> torch.Tensor:
+        self._op.wait()
+        out = self._inflight[3] if self._inflight else None
+        self._inflight = None
+        return out
+
+    def __call__(self, x_TD, ids_TK, weights_TK, out_TD=None) -> torch.Tensor:
+        self.submit(x_TD, ids_TK, weights_TK, out_TD)
+        return self.wait()
+
+    @property
+    def global_syncs(self) -> int:
+        return self._op.global_syncs
