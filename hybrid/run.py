@@ -8,14 +8,20 @@ import sys
 import torch
 from omegaconf import DictConfig
 
-from hybrid.config.compose import to_settings
-from hybrid.config.schema import HybridConfig, OutputFormat
+from hybrid.bench import run_bench
+from hybrid.bench.records import save, table
+from hybrid.config.compose import RUNS_DIR, to_settings
+from hybrid.config.schema import HybridConfig, Mode, OutputFormat
+from hybrid.engine.placement import experts_to_cpu_kernels
 from hybrid.engine.generate import Generator
 from hybrid.engine.sampler import Sampling
 from hybrid.errors import ConfigError
 from hybrid.hw.check import resolve
 from hybrid.hw.detect import detect
 from hybrid import models
+from hybrid.kernels import thread_pool
+from hybrid.kernels.dispatch import selected
+from hybrid.kernels.gemm import set_tile_min_tokens
 
 
 def settings_of(cfg: DictConfig) -> HybridConfig:
@@ -31,13 +37,30 @@ def run(cfg: DictConfig) -> dict:
     hw, notes = resolve(s.hw, s.policy, machine)
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
-    torch.set_num_threads(s.policy.cpu_threads or machine.physical_cores)
+    threads = s.policy.cpu_threads or machine.physical_cores
+    torch.set_num_threads(threads)
+    thread_pool.set_threads(threads)
+    set_tile_min_tokens(s.policy.cpu_gemm_tile_tokens)
+    if s.mode == Mode.bench:
+        return bench(s, hw.name, machine)
     return generate(s, hw.name)
+
+
+def bench(s: HybridConfig, hw_name: str, machine) -> dict:
+    records = run_bench(s)
+    context = {"hw": hw_name, "machine": machine.summary(), "threads": thread_pool.threads(),
+               "kernel": selected(s.policy.cpu_kernel)}
+    path = save(records, RUNS_DIR / "bench", s.bench.name, context)
+    print(table(records))
+    print(f"\n{len(records)} records -> {path}")
+    return {"records": [r.as_json() for r in records], "path": str(path)}
 
 
 def generate(s: HybridConfig, hw_name: str) -> dict:
     text_out = s.output == OutputFormat.text
     model, tok = models.load(s.model, progress=text_out and sys.stderr.isatty())
+    if s.policy.moe_backend == "native":
+        experts_to_cpu_kernels(model, s.policy.cpu_kernel)
     prompt_ids = tok.apply_chat_template([{"role": "user", "content": s.prompt}]) if s.chat else tok.encode(s.prompt)
     gen = Generator(model, s.policy.max_batch, s.policy.max_context, model.args.eos_token_id)
     stream = _TextStream(tok) if text_out else None

@@ -18,6 +18,7 @@ BUILTIN_PROMPT = "The three laws of thermodynamics are"
 
 class Mode(Enum):
     generate = "generate"
+    bench = "bench"
 
 
 class OutputFormat(Enum):
@@ -85,6 +86,8 @@ class PolicyConfig:
     adapt_to_hardware: bool = False
     cpu_threads: int = 0  # threads of the CPU expert kernels; 0 = all physical cores
     cpu_kernel: str = "auto"  # CPU kernel ISA: auto | avx512_bf16 | avx2 | generic
+    moe_backend: str = "native"  # routed experts: native (the C++ CPU kernels) | torch (reference path)
+    cpu_gemm_tile_tokens: int = 64  # tokens per expert from which FP8 tiles are converted once and reused
     slp_cutoff_tokens: int = 4096  # prompts longer than this are prefilled on the GPU by stream-loading
     ring_len: str = "auto"  # expert slots of the stream-loading ring buffer: a number >= 1, or auto
     batch_cap: int = 6  # most decoding requests batched together
@@ -97,6 +100,8 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.ring_len != "auto" and not (self.ring_len.isdigit() and int(self.ring_len) >= 1):
             raise ValueError(f"policy.ring_len must be a number >= 1 or 'auto', got {self.ring_len!r}")
+        if self.moe_backend not in ("native", "torch"):
+            raise ValueError(f"policy.moe_backend must be native or torch, got {self.moe_backend!r}")
         if self.cpu_kernel not in ("auto", "avx512_bf16", "avx2", "generic"):
             raise ValueError(
                 f"policy.cpu_kernel must be auto, avx512_bf16, avx2 or generic, got {self.cpu_kernel!r}"
@@ -104,7 +109,7 @@ class PolicyConfig:
         for knob in ("cpu_threads", "slp_cutoff_tokens", "gpu_experts_per_layer", "deferred_experts"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"policy.{knob} must be >= 0, got {getattr(self, knob)}")
-        for knob in ("batch_cap", "max_batch", "max_context"):
+        for knob in ("batch_cap", "max_batch", "max_context", "cpu_gemm_tile_tokens"):
             if getattr(self, knob) < 1:
                 raise ValueError(f"policy.{knob} must be >= 1, got {getattr(self, knob)}")
         if self.batch_cap > self.max_batch:
@@ -112,6 +117,26 @@ class PolicyConfig:
                 f"policy.batch_cap ({self.batch_cap}) exceeds policy.max_batch ({self.max_batch}), "
                 "the number of KV-cache slots"
             )
+
+
+@dataclass
+class BenchConfig:
+    name: str = "kernels"
+    # kernels: DeepSeek-V3 expert shapes, token counts, the MoE layer
+    hidden: int = 7168
+    inter: int = 2048
+    experts: int = 256
+    top_k: int = 8
+    ms: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 32, 128, 512])
+    moe_tokens: List[int] = field(default_factory=lambda: [1, 2, 4])
+    moe_experts: int = 0  # experts in the benchmarked layer; 0 = `experts` (fewer if memory is short)
+    pool_gb: float = 0.0  # cold-weight pool and roof buffer; 0 = auto (1-4 GB by memory)
+    repeats: int = 5  # passes; the best counts
+    torch_peers: bool = True  # torch's BF16 / FP32 paths side by side
+
+    def __post_init__(self) -> None:
+        if min(self.ms, default=1) < 1 or min(self.moe_tokens, default=1) < 1 or self.repeats < 1:
+            raise ValueError("bench: token counts and repeats must be >= 1")
 
 
 @dataclass
@@ -129,6 +154,7 @@ class HybridConfig:
     seed: int = 0
     chat: bool = False  # wrap the prompt in the checkpoint's chat template
     output: OutputFormat = OutputFormat.text
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

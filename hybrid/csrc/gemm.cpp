@@ -59,6 +59,16 @@ GemmProblem make_problem(const View& x, const View& w, const View* scale, const 
   return p;
 }
 
+Tunables& tunables() {
+  static Tunables t;
+  return t;
+}
+
+void set_tile_min_m(int64_t m) {
+  if (m < 1) fail("tile_min_m must be >= 1");
+  tunables().tile_min_m = m;
+}
+
 float* thread_floats(int64_t n) {
   thread_local Scratch<float> buf;
   return buf.get(n);

@@ -45,6 +45,14 @@ void prepare_x_avx512(const GemmProblem& p, uint16_t* xprep);
 constexpr int64_t kTileRows = 16;
 static inline int64_t tile_buf_elems(int64_t K) { return kTileRows * padded_k(K); }
 
+// Kernel tunables: one small record the kernels read and the tuner sweeps.
+struct Tunables {
+  // From this many tokens on, the AVX-512 FP8 path converts each 16-row weight tile to BF16 once and reuses it
+  // for every token; below it, weights are converted as they stream by (shared across up to 4 tokens).
+  int64_t tile_min_m = 64;
+};
+Tunables& tunables();
+
 // FP8 E4M3 code -> float (exact; NaN for 0x7F/0xFF).
 float fp8_to_float(uint8_t code);
 static inline float bf16_to_float(uint16_t v) {

@@ -8,14 +8,11 @@
 #include <immintrin.h>
 
 #include <cstring>
-#include <cstdlib>
 
 #include "gemm.h"
 
 namespace hybrid {
 namespace {
-
-constexpr int64_t kTileM = 8;  // from this many tokens on, convert each weight tile once and reuse it
 
 inline int64_t lo(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t hi(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -92,11 +89,6 @@ struct Bf16Tile {  // FP8 weights converted once into a buffer (kernel lane orde
 
 inline __m512bh bh(__m512i v) { return (__m512bh)v; }
 
-int64_t prefetch_rows() {
-  static const int64_t v = getenv("HYBRID_PF") ? atol(getenv("HYBRID_PF")) : 4;
-  return v;
-}
-
 const Tables& tables() {
   static const Tables t;
   return t;
@@ -133,54 +125,30 @@ void tile(const Load& L, const uint16_t* xp, int64_t ldxp, int64_t K, const floa
     for (int m = 0; m < MT; ++m) y[m * ldy + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-// One token, one row at a time: each thread reads its rows as one sequential stream (what the hardware
-// prefetcher follows best), four independent block accumulators keep vdpbf16ps latency off the critical path.
-void gemv_rows(const GemmProblem& p, const uint16_t* xp, int64_t n0, int64_t n1) {
-  const Tables& t = tables();
-  const int64_t n_chunks = (p.K + kChunk - 1) / kChunk, pf = prefetch_rows();
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* w = static_cast<const uint8_t*>(p.w) + n * p.ldw;
-    const float* srow = p.scale + (n / kBlock) * p.lds;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t kb = 0; kb * kBlock < p.K; ++kb) {
-      __m512 b[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-      for (int64_t c = 2 * kb, j = 0; c < lo(2 * kb + 2, n_chunks); ++c, j += 2) {
-        const uint8_t* src = w + c * kChunk;
-        if (pf) _mm_prefetch(reinterpret_cast<const char*>(src + pf), _MM_HINT_T0);
-        const int64_t left = p.K - c * kChunk;
-        const __m512i v = left >= kChunk ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi8(tail_mask(left), src);
-        __m512i wa, wb;
-        fp8_to_bf16(t, v, wa, wb);
-        b[j] = _mm512_dpbf16_ps(b[j], bh(wa), bh(_mm512_loadu_si512(xp + c * kChunk)));
-        b[j + 1] = _mm512_dpbf16_ps(b[j + 1], bh(wb), bh(_mm512_loadu_si512(xp + c * kChunk + 32)));
-      }
-      const __m512 sum = _mm512_add_ps(_mm512_add_ps(b[0], b[1]), _mm512_add_ps(b[2], b[3]));
-      acc = _mm512_fmadd_ps(sum, _mm512_set1_ps(srow[kb]), acc);
-    }
-    p.y[n] = _mm512_reduce_add_ps(acc);
+// All tokens for rows [n0, n1) with loader factory `at(n)` giving a loader whose row 0 is row n.
+// Y for a tile of R rows and every token: MT tokens at a time, then pairs, then singles.
+template <int R, int MT, class Load>
+void token_tiles(const GemmProblem& p, const Load& L, const uint16_t* xp, int64_t ldxp, const float* srow,
+                 float* y) {
+  int64_t m = 0;
+  for (; m + MT <= p.M; m += MT) tile<R, MT>(L, xp + m * ldxp, ldxp, p.K, srow, y + m * p.ldy, p.ldy);
+  if (MT > 2 && m + 2 <= p.M) {
+    tile<R, 2>(L, xp + m * ldxp, ldxp, p.K, srow, y + m * p.ldy, p.ldy);
+    m += 2;
   }
+  for (; m < p.M; ++m) tile<R, 1>(L, xp + m * ldxp, ldxp, p.K, srow, y + m * p.ldy, p.ldy);
 }
 
 // All tokens for rows [n0, n1) with loader factory `at(n)` giving a loader whose row 0 is row n.
 template <int R, int MT, class At>
 void rows(const GemmProblem& p, const uint16_t* xp, int64_t n0, int64_t n1, At at) {
   const int64_t ldxp = padded_k(p.K);
-  for (int64_t n = n0; n < n1;) {
-    const float* srow = p.scale ? p.scale + (n / kBlock) * p.lds : nullptr;
-    const bool full = n + R <= n1;
-    int64_t m = 0;
-    for (; m + MT <= p.M; m += MT) {
-      if (full) tile<R, MT>(at(n), xp + m * ldxp, ldxp, p.K, srow, p.y + m * p.ldy + n, p.ldy);
-      else tile<1, MT>(at(n), xp + m * ldxp, ldxp, p.K, srow, p.y + m * p.ldy + n, p.ldy);
-    }
-    for (; m < p.M; ++m) {
-      if (full) tile<R, 1>(at(n), xp + m * ldxp, ldxp, p.K, srow, p.y + m * p.ldy + n, p.ldy);
-      else tile<1, 1>(at(n), xp + m * ldxp, ldxp, p.K, srow, p.y + m * p.ldy + n, p.ldy);
-    }
-    n += full ? R : 1;
-  }
+  int64_t n = n0;
+  for (; n + R <= n1; n += R)
+    token_tiles<R, MT>(p, at(n), xp, ldxp, p.scale ? p.scale + (n / kBlock) * p.lds : nullptr, p.y + n);
+  for (; n < n1; ++n)
+    token_tiles<1, MT>(p, at(n), xp, ldxp, p.scale ? p.scale + (n / kBlock) * p.lds : nullptr, p.y + n);
 }
-
 
 void convert_tile(const GemmProblem& p, int64_t n, int64_t count, uint16_t* buf) {
   const Fp8Rows L{static_cast<const uint8_t*>(p.w) + n * p.ldw, p.ldw, p.K, &tables(), kTileRows * p.ldw};
@@ -217,17 +185,22 @@ void gemm_rows_avx512(const GemmProblem& p, const uint16_t* xp, int64_t n0, int6
     return;
   }
   const auto* w = static_cast<const uint8_t*>(p.w);
-  if (p.M < kTileM) {
-    if (p.M == 1 && getenv("HYBRID_SEQ")) gemv_rows(p, xp, n0, n1);
-    else if (p.M == 1) rows<4, 1>(p, xp, n0, n1, [&](int64_t n) { return Fp8Rows{w + n * p.ldw, p.ldw, p.K, &tables(), prefetch_rows() * p.ldw}; });
-    else rows<4, 2>(p, xp, n0, n1, [&](int64_t n) { return Fp8Rows{w + n * p.ldw, p.ldw, p.K, &tables(), 4 * p.ldw}; });
+  auto fp8_rows = [&](int64_t r) {
+    return [&, r](int64_t n) { return Fp8Rows{w + n * p.ldw, p.ldw, p.K, &tables(), r * p.ldw}; };
+  };
+  if (p.M < tunables().tile_min_m) {
+    if (p.M == 1) rows<4, 1>(p, xp, n0, n1, fp8_rows(4));
+    else if (p.M == 2) rows<4, 2>(p, xp, n0, n1, fp8_rows(4));
+    else if (p.M == 3) rows<2, 3>(p, xp, n0, n1, fp8_rows(2));
+    else rows<2, 4>(p, xp, n0, n1, fp8_rows(2));
     return;
   }
   const int64_t ld = padded_k(p.K);
   for (int64_t g = n0; g < n1; g += kTileRows) {
     const int64_t count = lo(kTileRows, n1 - g);
     convert_tile(p, g, count, tile_buf);
-    rows<4, 2>(p, xp, g, g + count, [&](int64_t n) { return Bf16Tile{tile_buf + (n - g) * ld, ld}; });
+    auto tile_rows = [&](int64_t n) { return Bf16Tile{tile_buf + (n - g) * ld, ld}; };
+    rows<2, 4>(p, xp, g, g + count, tile_rows);
   }
 }
 

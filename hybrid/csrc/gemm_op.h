@@ -17,5 +17,6 @@ GemmProblem make_problem(const View& x, const View& w, const View* scale, const 
 void prepare_x(Isa isa, const GemmProblem& p, Scratch<uint16_t>& buf, const uint16_t** xprep);
 int64_t row_chunk(int64_t N, int threads);
 std::string selected_isa(const std::string& name);
+void set_tile_min_m(int64_t m);
 
 }  // namespace hybrid

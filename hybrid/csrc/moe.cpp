@@ -57,6 +57,7 @@ MoELayer::MoELayer(const std::vector<View>& gate, const std::vector<View>& gate_
     : p_(std::make_unique<Plan>()) {
   const size_t E = gate.size();
   if (E == 0 || up.size() != E || down.size() != E) fail("gate, up and down need one weight per expert, same count");
+  check_view(gate[0], "gate[0]", {"float8_e4m3fn", "bfloat16"}, 2);  // before its dtype and dims are read
   wt_ = gate[0].dtype == "bfloat16" ? WeightType::bf16 : WeightType::fp8;
   const size_t n_scales = wt_ == WeightType::fp8 ? E : 0;
   if (gate_scale.size() != n_scales || up_scale.size() != n_scales || down_scale.size() != n_scales)
@@ -136,10 +137,22 @@ void MoELayer::plan(const View& x, const View& ids, const View& weights, const V
 void MoELayer::submit(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa) {
   if (pending_) fail("a previous submit() has not been waited for");
   plan(x, ids, weights, out);
+  schedule(isa, pool().async_size());
+  pending_ = true;
+  pool().submit([this](int worker) { run_job(worker); });
+}
+
+void MoELayer::forward(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa) {
+  if (pending_) fail("a previous submit() has not been waited for");
+  plan(x, ids, weights, out);
+  schedule(isa, pool().size());
+  pool().run([this](int worker) { run_job(worker); });
+}
+
+void MoELayer::schedule(const std::string& isa, int participants) {
   Plan& p = *p_;
   p.isa = resolve_isa(isa);
-  ThreadPool& tp = pool();
-  p.threads = tp.async_size();
+  p.threads = participants;
   const int64_t R = int64_t(p.token.size()), n_used = int64_t(p.used.size());
   const bool avx512 = p.isa == Isa::avx512_bf16;
   p.ldxp = padded_k(D_);
@@ -149,7 +162,7 @@ void MoELayer::submit(const View& x, const View& ids, const View& weights, const
   p.h.get(R * p.ldh, /*zero=*/avx512 && p.ldh != I_);
   p.g.get(R * I_), p.u.get(R * I_), p.y.get(R * D_);
 
-  const int64_t per_expert = std::max<int64_t>(1, (4 * p.threads + n_used - 1) / std::max<int64_t>(n_used, 1));
+  const int64_t per_expert = std::max<int64_t>(1, (8 * p.threads + n_used - 1) / std::max<int64_t>(n_used, 1));
   const int64_t gu_chunk = round_up((I_ + per_expert - 1) / per_expert, 64);
   const int64_t d_chunk = round_up((D_ + per_expert - 1) / per_expert, 16);
   p.tasks.clear();
@@ -168,8 +181,6 @@ void MoELayer::submit(const View& x, const View& ids, const View& weights, const
   p.reduce_chunk = std::min<int64_t>(D_, 512);
   p.n_reduce = p.T * ((D_ + p.reduce_chunk - 1) / p.reduce_chunk);
   p.next_task = 0, p.next_reduce = 0, p.arrived = 0;
-  pending_ = true;
-  tp.submit([this](int worker) { run_job(worker); });
 }
 
 void MoELayer::wait() {
@@ -205,7 +216,7 @@ void MoELayer::gate_up(int e, int64_t r0, int64_t r1, uint16_t* tile) {
   float* u = p.u.data() + base * I_;
   gemm_rows(p.isa, {x, D_, w.gate, w.ld_gu, w.gs, w.lds_gu, g, I_, M, I_, D_, wt_}, xprep, r0, r1, tile);
   gemm_rows(p.isa, {x, D_, w.up, w.ld_gu, w.us, w.lds_gu, u, I_, M, I_, D_, wt_}, xprep, r0, r1, tile);
-  const bool lanes = p.isa == Isa::avx512_bf16;
+  const bool lanes = p.isa == Isa::avx512_bf16 && wt_ == WeightType::fp8;  // the BF16 kernel reads natural order
   for (int64_t m = 0; m < M; ++m) {
     uint16_t* h = p.h.data() + (base + m) * p.ldh;
     for (int64_t i = r0; i < r1; ++i) {

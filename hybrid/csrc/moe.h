@@ -27,12 +27,11 @@ class MoELayer {
   ~MoELayer();  // waits for a submitted call still running
 
   // x [T, D] bf16; ids [T, K] int64 or int32; weights [T, K] f32; out [T, D] f32 or bf16 (overwritten).
+  // submit() returns at once (the pool's workers run the layer; the caller's core stays free), wait() joins.
   void submit(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa);
   void wait();
-  void forward(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa) {
-    submit(x, ids, weights, out, isa);
-    wait();
-  }
+  // The same, synchronously, with the calling thread working too.
+  void forward(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa);
 
   int64_t experts() const { return int64_t(w_.size()); }
   int64_t hidden() const { return D_; }
@@ -54,6 +53,7 @@ class MoELayer {
   struct Plan;
 
   void plan(const View& x, const View& ids, const View& weights, const View& out);
+  void schedule(const std::string& isa, int participants);
   void run_job(int worker);
   void prepare_expert(int e);
   void gate_up(int e, int64_t r0, int64_t r1, uint16_t* tile);

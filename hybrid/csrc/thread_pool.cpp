@@ -52,6 +52,7 @@ ThreadPool::ThreadPool(int threads) {
 }
 
 ThreadPool::~ThreadPool() {
+  wait();  // a posted job runs to completion: a worker that sees stop_ first would drop it unrun
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;

@@ -17,3 +17,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
     _native.gemm(view(x), view(w), None if scale is None else view(scale), view(out), kernel_name(kernel))
     return out
+
+
+def set_tile_min_tokens(m: int) -> None:
+    """From `m` tokens on, each FP8 weight tile is converted to BF16 once and reused (policy.cpu_gemm_tile_tokens)."""
+    _native.set_tile_min_m(m)

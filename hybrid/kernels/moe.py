@@ -32,9 +32,15 @@ class CpuMoE:
         ids_TK, weights_TK = ids_TK.contiguous(), weights_TK.to(torch.float32).contiguous()
         if out_TD is None:
             out_TD = torch.empty(x_TD.shape, dtype=torch.float32)
-        self._inflight = (x_TD, ids_TK, weights_TK, out_TD)  # alive until wait()
         self._op.submit(view(x_TD), view(ids_TK), view(weights_TK), view(out_TD), kernel_name(self.kernel))
-        return out_TD
+        self._inflight = (x_TD, ids_TK, weights_TK, out_TD)  # alive until wait(); only once accepted: a refused
+        return out_TD                                           # submit must not drop a running call's tensors
+
+    def __del__(self):
+        # Join a submitted call before the weights in _keep go: the native op's own destructor runs too late.
+        op = getattr(self, "_op", None)
+        if op is not None:
+            op.wait()
 
     def wait(self) -> torch.Tensor:
         self._op.wait()
@@ -43,8 +49,13 @@ class CpuMoE:
         return out
 
     def __call__(self, x_TD, ids_TK, weights_TK, out_TD=None) -> torch.Tensor:
-        self.submit(x_TD, ids_TK, weights_TK, out_TD)
-        return self.wait()
+        """Synchronous: the calling thread works alongside the pool's workers."""
+        x_TD = x_TD.to(torch.bfloat16).contiguous()
+        ids_TK, weights_TK = ids_TK.contiguous(), weights_TK.to(torch.float32).contiguous()
+        if out_TD is None:
+            out_TD = torch.empty(x_TD.shape, dtype=torch.float32)
+        self._op.forward(view(x_TD), view(ids_TK), view(weights_TK), view(out_TD), kernel_name(self.kernel))
+        return out_TD
 
     @property
     def global_syncs(self) -> int:

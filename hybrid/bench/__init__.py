@@ -1,0 +1,24 @@
+"""Benchmarks: each reports achieved figures against a bound measured in the same run (`mode=bench bench=NAME`)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from hybrid.bench.records import Record
+
+
+def _kernels(settings) -> list[Record]:
+    from hybrid.bench.kernels import run
+
+    return run(settings)
+
+
+BENCHES: dict[str, Callable] = {"kernels": _kernels}
+
+
+def run_bench(settings) -> list[Record]:
+    name = settings.bench.name
+    if name not in BENCHES:
+        from hybrid.errors import ConfigError
+
+        raise ConfigError(f"bench={name}: no such benchmark (available: {', '.join(sorted(BENCHES))})")
+    return BENCHES[name](settings)
