@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import Callable
 
 import numpy as np
 import torch
@@ -40,7 +41,8 @@ def _scales(rng, n: int, k: int) -> torch.Tensor:
 
 
 class Roof:
-    """The memory read roof, measured more than once in the run; the highest reading is the bound."""
+    """The memory read roof, measured beside every measurement: on a shared machine the bandwidth left to us
+    drifts, so each record's bound is the higher of the readings just before and just after it."""
 
     def __init__(self, gigabytes: float):
         self.gigabytes, self.readings = gigabytes, []
@@ -48,6 +50,12 @@ class Roof:
     def measure(self) -> float:
         self.readings.append(read_roof(self.gigabytes, 5))
         return self.readings[-1]
+
+    def bracket(self, measure: Callable[[], Record]) -> Record:
+        before = self.readings[-1] if self.readings else self.measure()
+        record = measure()
+        record.bound = max(before, self.measure())
+        return record
 
     @property
     def gbs(self) -> float:
@@ -64,14 +72,21 @@ def _gemv_records(cfg, roof: Roof, kernel: str, pool_gb: float, rng) -> list[Rec
             x = torch.randn(m, k).to(torch.bfloat16)
             y = torch.empty(m, n)
             calls = [lambda w=w, s=s: gemm(x, w, s, y, kernel) for w, s in pool]
-            one = best_per_call(calls[:1], 1)
-            t = best_per_call(calls[:calls_for(0.5, one, len(calls))], cfg.repeats)
-            out.append(Record(f"fp8_gemm.{label}", n * k / t / GB, "GB/s", roof.gbs, m, n, k, "fp8",
-                              {"time_us": t * 1e6, "tflops": 2 * m * n * k / t / 1e12, "kernel": kernel}))
+            out.append(roof.bracket(lambda: _timed(f"fp8_gemm.{label}", calls, cfg.repeats, m, n, k, 1, "fp8",
+                                                  {"kernel": kernel})))
         del pool
         if cfg.torch_peers:
             out += _torch_records(cfg, roof, label, n, k, pool_gb, out)
     return out
+
+
+def _timed(name: str, calls: list, repeats: int, m: int, n: int, k: int, itemsize: int, dtype: str,
+           extra: dict | None = None) -> Record:
+    """Weight bytes read per second over a pass of cold calls (as many as fit ~0.5 s)."""
+    one = best_per_call(calls[:1], 1)
+    t = best_per_call(calls[:calls_for(0.5, one, len(calls))], repeats)
+    return Record(name, n * k * itemsize / t / GB, "GB/s", None, m, n, k, dtype,
+                  {"time_us": t * 1e6, "tflops": 2 * m * n * k / t / 1e12, **(extra or {})})
 
 
 def _torch_records(cfg, roof: Roof, label: str, n: int, k: int, pool_gb: float, ours: list[Record]) -> list[Record]:
@@ -84,13 +99,10 @@ def _torch_records(cfg, roof: Roof, label: str, n: int, k: int, pool_gb: float, 
         for m in cfg.ms:
             x = torch.randn(m, k).to(dtype)
             calls = [lambda w=w: torch.matmul(x, w.t()) for w in pool]
-            one = best_per_call(calls[:1], 1)
-            t = best_per_call(calls[:calls_for(0.5, one, len(calls))], cfg.repeats)
-            out.append(Record(f"torch_{name}.{label}", n * k * size / t / GB, "GB/s", roof.gbs, m, n, k, name,
-                              {"time_us": t * 1e6, "tflops": 2 * m * n * k / t / 1e12}))
+            theirs = roof.bracket(lambda: _timed(f"torch_{name}.{label}", calls, cfg.repeats, m, n, k, size, name))
             mine = next(r for r in ours if r.name == f"fp8_gemm.{label}" and r.m == m)
-            out.append(Record(f"speedup_vs_torch_{name}.{label}", t / (mine.extra["time_us"] / 1e6), "x", None,
-                              m, n, k, "fp8"))
+            out += [theirs, Record(f"speedup_vs_torch_{name}.{label}",
+                                   theirs.extra["time_us"] / mine.extra["time_us"], "x", None, m, n, k, "fp8")]
         del pool
     return out
 
@@ -114,11 +126,14 @@ def _moe_records(cfg, roof: Roof, kernel: str, rng) -> list[Record]:
         routes = [torch.stack([torch.randperm(experts)[:cfg.top_k] for _ in range(t)]) for _ in range(16)]
         res = torch.empty(t, d)
         calls = [lambda ids=ids: op(x, ids, w, res) for ids in routes]
-        sec = best_per_call(calls, cfg.repeats)
         read = sum(len(ids.unique()) for ids in routes) / len(routes) * expert_bytes
-        out.append(Record("moe_layer", read / sec / GB, "GB/s", roof.gbs, t, None, None, "fp8",
+
+        def measure(t=t, calls=calls, read=read) -> Record:
+            sec = best_per_call(calls, cfg.repeats)
+            return Record("moe_layer", read / sec / GB, "GB/s", None, t, None, None, "fp8",
                           {"time_ms": sec * 1e3, "experts": experts, "top_k": cfg.top_k,
-                           "expert_mb_read": read / 1e6, "global_syncs": op.global_syncs, "kernel": kernel}))
+                           "expert_mb_read": read / 1e6, "global_syncs": op.global_syncs, "kernel": kernel})
+        out.append(roof.bracket(measure))
     return out
 
 
@@ -128,15 +143,9 @@ def run(settings) -> list[Record]:
     pool_gb = cfg.pool_gb or min(4.0, max(1.0, _memory_gb() / 12))
     roof = Roof(pool_gb)
     _log(f"kernel {kernel}; measuring the read roof over {pool_gb:.1f} GB ...")
-    roof.measure()
     records = _gemv_records(cfg, roof, kernel, pool_gb, rng)
-    roof.measure()
     if cfg.moe_tokens:
         records += _moe_records(cfg, roof, kernel, rng)
-        roof.measure()
-    for r in records:  # every fraction against the highest roof reading of the run
-        if r.bound:
-            r.bound = roof.gbs
-    roof_rec = Record("read_roof", roof.gbs, "GB/s", extra={"readings": [round(v, 2) for v in roof.readings],
-                                                             "buffer_gb": pool_gb})
+    roof_rec = Record("read_roof", roof.gbs, "GB/s", extra={
+        "min": min(roof.readings), "readings": len(roof.readings), "buffer_gb": pool_gb})
     return [roof_rec] + records
