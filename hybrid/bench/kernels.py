@@ -18,7 +18,7 @@ from hybrid.bench.records import Record
 from hybrid.bench.timing import best_per_call, calls_for
 from hybrid.kernels.dispatch import selected
 from hybrid.kernels.gemm import gemm
-from hybrid.kernels.membw import read_roof
+from hybrid.kernels.membw import calibrate, read_roof
 from hybrid.kernels.moe import CpuMoE
 from hybrid.weights.fp8 import scale_shape
 from hybrid.weights.synthetic import _fp8_codes
@@ -46,9 +46,10 @@ class Roof:
 
     def __init__(self, gigabytes: float):
         self.gigabytes, self.readings = gigabytes, []
+        self.streams, self.calibration = calibrate(gigabytes)
 
     def measure(self) -> float:
-        self.readings.append(read_roof(self.gigabytes, 5))
+        self.readings.append(read_roof(self.gigabytes, 5, self.streams))
         return self.readings[-1]
 
     def bracket(self, measure: Callable[[], Record]) -> Record:
@@ -123,7 +124,7 @@ def _moe_records(cfg, roof: Roof, kernel: str, rng) -> list[Record]:
     for t in cfg.moe_tokens:
         x = torch.randn(t, d).to(torch.bfloat16)
         w = torch.rand(t, cfg.top_k)
-        routes = [torch.stack([torch.randperm(experts)[:cfg.top_k] for _ in range(t)]) for _ in range(16)]
+        routes = [torch.stack([torch.randperm(experts)[:cfg.top_k] for _ in range(t)]) for _ in range(32)]
         res = torch.empty(t, d)
         calls = [lambda ids=ids: op(x, ids, w, res) for ids in routes]
         read = sum(len(ids.unique()) for ids in routes) / len(routes) * expert_bytes
@@ -147,5 +148,6 @@ def run(settings) -> list[Record]:
     if cfg.moe_tokens:
         records += _moe_records(cfg, roof, kernel, rng)
     roof_rec = Record("read_roof", roof.gbs, "GB/s", extra={
-        "min": min(roof.readings), "readings": len(roof.readings), "buffer_gb": pool_gb})
+        "min": min(roof.readings), "readings": len(roof.readings), "buffer_gb": pool_gb, "streams": roof.streams,
+        "by_streams": {s: round(v, 1) for s, v in roof.calibration.items()}})
     return [roof_rec] + records
