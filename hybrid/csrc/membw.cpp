@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
+#include <sys/mman.h>
 
 #include "scratch.h"
 #include "thread_pool.h"
@@ -39,6 +40,7 @@ double read_bandwidth(int64_t bytes, int iters, int streams) {
   static int64_t touched = 0;
   uint64_t* data = buf.get(words);
   if (words > touched) {
+    madvise(data, words * 8, MADV_HUGEPAGE);  // as numpy and torch do for big buffers: 2 MB pages, fewer TLB misses
     tp.run([&](int w) { std::memset(data + w * share, w + 1, share * 8); });  // first touch by the reader
     touched = words;
   }
