@@ -1,5 +1,7 @@
 """`mode=bench bench=kernels`: the native FP8 expert kernels against the measured memory read roof, with torch's
-CPU paths beside them (weights upcast to BF16 and to FP32, then matmul: the paper's Table 1 on this machine).
+CPU paths beside them (the paper's Table 1 on this machine): torch holding the weights already upcast to BF16 and to
+FP32 (its best case: `torch_bf16`, `torch_fp32`), and torch holding the same FP8 weights, dequantised to BF16 on
+every call (`torch_fp8_upcast`).
 
 Cold weights: every call reads a different matrix from a pool far larger than the last-level cache, so the
 figures are DRAM figures. Legend: M tokens, N output rows, K input dim (DeepSeek-V3: gate/up 2048x7168, down
@@ -20,7 +22,7 @@ from hybrid.kernels.dispatch import selected
 from hybrid.kernels.gemm import gemm
 from hybrid.kernels.membw import calibrate, read_roof
 from hybrid.kernels.moe import CpuMoE
-from hybrid.weights.fp8 import scale_shape
+from hybrid.weights.fp8 import dequantize, scale_shape
 from hybrid.weights.synthetic import _fp8_codes
 
 GB = 1e9
@@ -75,9 +77,24 @@ def _gemv_records(cfg, roof: Roof, kernel: str, pool_gb: float, rng) -> list[Rec
             calls = [lambda w=w, s=s: gemm(x, w, s, y, kernel) for w, s in pool]
             out.append(roof.bracket(lambda: _timed(f"fp8_gemm.{label}", calls, cfg.repeats, m, n, k, 1, "fp8",
                                                   {"kernel": kernel})))
+        if cfg.torch_peers:
+            out += _torch_upcast_records(cfg, roof, label, n, k, pool, out)
         del pool
         if cfg.torch_peers:
             out += _torch_records(cfg, roof, label, n, k, pool_gb, out)
+    return out
+
+
+def _torch_upcast_records(cfg, roof: Roof, label: str, n: int, k: int, pool, ours: list[Record]) -> list[Record]:
+    """Torch holding the same FP8 weights: dequantise to BF16 on every call, then matmul (the plain torch path)."""
+    out = []
+    for m in cfg.ms:
+        x = torch.randn(m, k).to(torch.bfloat16)
+        calls = [lambda w=w, s=s: torch.matmul(x, dequantize(w, s, (128, 128), torch.bfloat16).t()) for w, s in pool]
+        theirs = roof.bracket(lambda: _timed(f"torch_fp8_upcast.{label}", calls, cfg.repeats, m, n, k, 1, "fp8"))
+        mine = next(r for r in ours if r.name == f"fp8_gemm.{label}" and r.m == m)
+        out += [theirs, Record(f"speedup_vs_torch_fp8_upcast.{label}",
+                               theirs.extra["time_us"] / mine.extra["time_us"], "x", None, m, n, k, "fp8")]
     return out
 
 
