@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 import torch
 from omegaconf import DictConfig
 
+from hybrid import tracking
 from hybrid.bench import run_bench
 from hybrid.bench.records import save, table
 from hybrid.config.compose import RUNS_DIR, to_settings
-from hybrid.config.schema import HybridConfig, Mode, OutputFormat
-from hybrid.engine.placement import experts_to_cpu_kernels
-from hybrid.engine.generate import Generator
+from hybrid.config.schema import HwConfig, HybridConfig, Mode, OutputFormat
+from hybrid.engine.build import build
 from hybrid.engine.sampler import Sampling
 from hybrid.errors import ConfigError
 from hybrid.hw.check import resolve
 from hybrid.hw.detect import detect
-from hybrid import models
 from hybrid.kernels import thread_pool
 from hybrid.kernels.dispatch import selected
 from hybrid.kernels.gemm import set_tile_min_tokens
@@ -42,8 +42,11 @@ def run(cfg: DictConfig) -> dict:
     thread_pool.set_threads(threads)
     set_tile_min_tokens(s.policy.cpu_gemm_tile_tokens)
     if s.mode == Mode.bench:
-        return bench(s, hw.name, machine)
-    return generate(s, hw.name)
+        report = bench(replace(s, hw=hw), hw.name, machine)  # the resolved profile: the bench builds the engine
+    else:
+        report = generate(s, hw)
+    tracking.log_run(s, cfg, report, hw, threads)  # MLflow, after the measured work (tracking.enabled)
+    return report
 
 
 def bench(s: HybridConfig, hw_name: str, machine) -> dict:
@@ -51,18 +54,20 @@ def bench(s: HybridConfig, hw_name: str, machine) -> dict:
     context = {"hw": hw_name, "machine": machine.summary(), "threads": thread_pool.threads(),
                "kernel": selected(s.policy.cpu_kernel)}
     path = save(records, RUNS_DIR / "bench", s.bench.name, context)
-    print(table(records))
-    print(f"\n{len(records)} records -> {path}")
-    return {"records": [r.as_json() for r in records], "path": str(path)}
+    report = {"bench": s.bench.name, **context, "records": [r.as_json() for r in records], "path": str(path)}
+    if s.output == OutputFormat.json:  # one line: what the tuner reads
+        print(json.dumps(report), flush=True)
+    else:
+        print(table(records))
+        print(f"\n{len(records)} records -> {path}")
+    return report
 
 
-def generate(s: HybridConfig, hw_name: str) -> dict:
-    text_out = s.output == OutputFormat.text
-    model, tok = models.load(s.model, progress=text_out and sys.stderr.isatty())
-    if s.policy.moe_backend == "native":
-        experts_to_cpu_kernels(model, s.policy.cpu_kernel)
+def generate(s: HybridConfig, hw: HwConfig) -> dict:
+    text_out, hw_name = s.output == OutputFormat.text, hw.name
+    engine = build(s, hw, progress=text_out and sys.stderr.isatty())
+    tok, gen = engine.tokenizer, engine.generator
     prompt_ids = tok.apply_chat_template([{"role": "user", "content": s.prompt}]) if s.chat else tok.encode(s.prompt)
-    gen = Generator(model, s.policy.max_batch, s.policy.max_context, model.args.eos_token_id)
     stream = _TextStream(tok) if text_out else None
     if stream:
         print(s.prompt, end="", flush=True)

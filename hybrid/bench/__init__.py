@@ -12,7 +12,13 @@ def _kernels(settings) -> list[Record]:
     return run(settings)
 
 
-BENCHES: dict[str, Callable] = {"kernels": _kernels}
+def _slo(settings) -> list[Record]:
+    from hybrid.bench.slo import run
+
+    return run(settings)
+
+
+BENCHES: dict[str, Callable] = {"kernels": _kernels, "slo": _slo}
 
 
 def run_bench(settings) -> list[Record]:

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from hybrid.config.schema import HybridConfig, register
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
-CONF_DIR = PROJECT_DIR / "conf"
+CONF_DIR = Path(os.environ.get("HYBRID_CONF_DIR", PROJECT_DIR / "conf"))  # another conf/ tree: tests, the tuner's
 RUNS_DIR = Path(os.environ.get("HYBRID_RUNS_DIR", PROJECT_DIR / "runs"))
 
 

@@ -96,10 +96,13 @@ class PolicyConfig:
     gpu_experts_per_layer: int = 0  # hot routed experts kept resident on the GPU, per layer
     deferred_experts: int = 0  # experts deferred to overlap the next layer (changes outputs slightly)
     gpu_memory_budget_gb: float = 0.0  # GPU memory the engine may hold; 0 = all free memory less a reserve
+    gpu_weights: str = "bf16"  # FP8 weights of the GPU side: bf16 (dequantised once) | fp8 (kept, dequantised per use)
 
     def __post_init__(self) -> None:
         if self.ring_len != "auto" and not (self.ring_len.isdigit() and int(self.ring_len) >= 1):
             raise ValueError(f"policy.ring_len must be a number >= 1 or 'auto', got {self.ring_len!r}")
+        if self.gpu_weights not in ("bf16", "fp8"):
+            raise ValueError(f"policy.gpu_weights must be bf16 or fp8, got {self.gpu_weights!r}")
         if self.moe_backend not in ("native", "torch"):
             raise ValueError(f"policy.moe_backend must be native or torch, got {self.moe_backend!r}")
         if self.cpu_kernel not in ("auto", "avx512_bf16", "avx2", "generic"):
@@ -133,10 +136,29 @@ class BenchConfig:
     pool_gb: float = 0.0  # cold-weight pool and roof buffer; 0 = auto (1-4 GB by memory)
     repeats: int = 5  # passes; the best counts
     torch_peers: bool = True  # torch's BF16 / FP32 paths side by side
+    # slo: the SLO report card of the configured model (TTFT, TPOT, prefill and decode tokens/s)
+    prompt_tokens: int = 256  # synthetic prompt length, per sequence
+    new_tokens: int = 32  # tokens generated per sequence
+    batch: int = 1  # sequences prefilled, then decoded together
+    roof_gb: float = 0.5  # buffer of the memory read roof that bounds decode; 0 = no roof, no bound
 
     def __post_init__(self) -> None:
         if min(self.ms, default=1) < 1 or min(self.moe_tokens, default=1) < 1 or self.repeats < 1:
             raise ValueError("bench: token counts and repeats must be >= 1")
+        for knob in ("prompt_tokens", "new_tokens", "batch"):
+            if getattr(self, knob) < 1:
+                raise ValueError(f"bench.{knob} must be >= 1, got {getattr(self, knob)}")
+        if self.roof_gb < 0:
+            raise ValueError(f"bench.roof_gb must be >= 0, got {self.roof_gb}")
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow run tracking (hybrid/tracking.py): every run logs params, metrics, the resolved config, plots."""
+    enabled: bool = True  # conf/config.yaml: true unless the environment sets HYBRID_TRACKING=0
+    uri: str = ""  # "" = sqlite under runs/ (runs/mlflow.db); or a server, e.g. http://host:5000
+    artifact_root: str = ""  # "" = runs/mlartifacts (local stores only; a server keeps its own)
+    experiment: str = ""  # "" = one experiment per model: hybrid-<model.name>
 
 
 @dataclass
@@ -155,6 +177,7 @@ class HybridConfig:
     chat: bool = False  # wrap the prompt in the checkpoint's chat template
     output: OutputFormat = OutputFormat.text
     bench: BenchConfig = field(default_factory=BenchConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

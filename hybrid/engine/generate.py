@@ -40,10 +40,11 @@ class Result:
 
 
 class Generator:
-    def __init__(self, model: Transformer, max_batch: int, max_context: int, eos_id: Optional[int] = None):
-        self.model, self.eos_id = model, eos_id
+    def __init__(self, model: Transformer, max_batch: int, max_context: int, eos_id: Optional[int] = None,
+                 device: torch.device | str = "cpu"):
+        self.model, self.eos_id, self.device = model, eos_id, torch.device(device)
         self.max_context = max_context
-        self.cache = model.new_cache(max_batch, max_context)
+        self.cache = model.new_cache(max_batch, max_context, self.device)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
                  on_token: Optional[Callable[[int, int], None]] = None) -> Result:
@@ -80,10 +81,13 @@ class Generator:
             if min(p) < 0 or max(p) >= vocab:
                 raise ValueError(f"token id out of range 0..{vocab - 1} in prompt")
 
+    def _tensor(self, data) -> torch.Tensor:
+        return torch.tensor(data, device=self.device)
+
     def _prefill(self, slot: int, prompt: list[int]) -> torch.Tensor:
-        tokens = torch.tensor([prompt])
-        pos = torch.arange(len(prompt))[None]
-        return self.model(tokens, pos, self.cache, torch.tensor([slot]), last_only=True)[0, -1]
+        tokens = self._tensor([prompt])
+        pos = torch.arange(len(prompt), device=self.device)[None]
+        return self.model(tokens, pos, self.cache, self._tensor([slot]), last_only=True)[0, -1]
 
     def _append(self, res: Result, live: list[int], tokens: torch.Tensor, on_token) -> list[int]:
         still = []
@@ -96,6 +100,6 @@ class Generator:
         return still
 
     def _decode(self, res: Result, live: list[int]) -> torch.Tensor:
-        tokens = torch.tensor([[res.output_ids[i][-1]] for i in live])
-        pos = torch.tensor([[len(res.prompt_ids[i]) + len(res.output_ids[i]) - 1] for i in live])
-        return self.model(tokens, pos, self.cache, torch.tensor(live))[:, -1]
+        tokens = self._tensor([[res.output_ids[i][-1]] for i in live])
+        pos = self._tensor([[len(res.prompt_ids[i]) + len(res.output_ids[i]) - 1] for i in live])
+        return self.model(tokens, pos, self.cache, self._tensor(live))[:, -1]

@@ -1,41 +1,119 @@
-"""Placement passes: applied to a loaded model from outside, so the model code stays device-agnostic.
+"""Placement passes, applied to a loaded model from outside, so the model code stays device-agnostic.
 
-`experts_to_cpu_kernels` swaps every MoE layer's routed experts for the native fused CPU op, over the same
-memory-mapped checkpoint weights (no copy).
+- `experts_to_cpu_kernels`: every MoE layer's routed experts run on the native fused CPU op (csrc/moe.cpp),
+  whatever device the rest of the model is on. Their weights stay in host memory: they are kept out of the module
+  tree, so moving the model leaves them where they are.
+- `place`: the rest of the model (attention, dense layers, shared experts, router, embeddings, lm_head) moves to
+  the compute device; on a GPU its FP8 weights are dequantised once to BF16 (`gpu_weights=bf16`) or kept in FP8 and
+  dequantised per use (`fp8`: half the memory).
+- `pin_experts`: the routed experts' weights move into one pinned host arena per layer (fast copies to the GPU for
+  stream-loading prefill); the mmap'd checkpoint pages are then no longer referenced.
+
+Legend: T tokens, D hidden, K experts per token.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
 
 from hybrid.kernels.moe import CpuMoE
+from hybrid.model.layers import Linear
 from hybrid.model.moe import MoE, RoutedExperts
+from hybrid.engine.staging import Deferral, Staging
+
+PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
-class NativeExperts(nn.Module):
-    """RoutedExperts' interface over the native op (csrc/moe.cpp). Legend: T tokens, D hidden, K experts/token."""
+def _cpu_op(experts: RoutedExperts, kernel: str) -> CpuMoE:
+    fp8 = experts[0].gate_proj.block is not None
+    weights = [[getattr(e, p).weight for e in experts] for p in PROJ]
+    scales = [[getattr(e, p).weight_scale_inv for e in experts] for p in PROJ] if fp8 else [[], [], []]
+    return CpuMoE(*weights, *scales, kernel=kernel)
 
-    def __init__(self, experts: RoutedExperts, kernel: str = "auto"):
+
+class CpuExperts(nn.Module):
+    """RoutedExperts' interface over the native CPU op. `start` hands the layer to the CPU threads and returns at
+    once (the caller computes the shared experts meanwhile); the handle's `result()` joins and hands the output back
+    on the caller's device."""
+
+    def __init__(self, experts: RoutedExperts, staging: Staging, kernel: str = "auto",
+                 deferral: Optional[Deferral] = None, last: bool = False):
         super().__init__()
-        fp8 = experts[0].gate_proj.block is not None
+        object.__setattr__(self, "host_experts", experts)  # not a submodule: stays in host memory
+        self.kernel, self.staging, self.deferral, self.last = kernel, staging, deferral, last
+        self.op = _cpu_op(experts, kernel)
 
-        def weights(proj: str, attr: str):
-            return [getattr(getattr(e, proj), attr) for e in experts] if (fp8 or attr == "weight") else []
+    def rebuild(self) -> None:
+        """After the expert weights moved (pinning), point the native op at them."""
+        self.op = _cpu_op(self.host_experts, self.kernel)
 
-        self.op = CpuMoE(*(weights(p, "weight") for p in ("gate_proj", "up_proj", "down_proj")),
-                         *(weights(p, "weight_scale_inv") for p in ("gate_proj", "up_proj", "down_proj")),
-                         kernel=kernel)
-        self.experts = experts  # keeps the weights (and their names) with the module
+    def start(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
+        x_h, w_h, ids_h = self.staging.to_host(x_TD, weights_TK, ids_TK)
+        if self.deferral is not None:
+            return self.deferral.start(self, x_h, w_h, ids_h, x_TD)
+        out_h = self.staging.out(x_h.shape[0])
+        self.op.submit(x_h, ids_h, w_h, out_h)
+        return _Pending(self, out_h, x_TD)
 
-    def forward(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
-        return self.op(x_TD, ids_TK, weights_TK).to(x_TD.dtype)
+    def forward(self, x_TD, weights_TK, ids_TK) -> torch.Tensor:
+        return self.start(x_TD, weights_TK, ids_TK).result()
 
 
-def experts_to_cpu_kernels(model: nn.Module, kernel: str = "auto") -> int:
+class _Pending:
+    def __init__(self, layer: CpuExperts, out_h: torch.Tensor, like: torch.Tensor):
+        self.layer, self.out_h, self.like = layer, out_h, like
+
+    def result(self) -> torch.Tensor:
+        self.layer.op.wait()
+        return self.layer.staging.to_device(self.out_h, self.like)
+
+
+def experts_to_cpu_kernels(model: nn.Module, kernel: str = "auto", staging: Optional[Staging] = None,
+                           deferred_experts: int = 0) -> int:
     """Returns the number of MoE layers placed."""
-    placed = 0
-    for module in model.modules():
-        if isinstance(module, MoE) and isinstance(module.experts, RoutedExperts):
-            module.experts = NativeExperts(module.experts, kernel)
-            placed += 1
-    return placed
+    moes = [m for m in model.modules() if isinstance(m, MoE) and isinstance(m.experts, RoutedExperts)]
+    if not moes:
+        return 0
+    args = moes[0].gate.args
+    staging = staging or Staging(args.hidden_size, args.num_experts_per_tok)
+    deferral = Deferral(deferred_experts, staging) if deferred_experts else None
+    for i, m in enumerate(moes):
+        m.experts = CpuExperts(m.experts, staging, kernel, deferral, last=i == len(moes) - 1)
+    return len(moes)
+
+
+def cpu_experts(model: nn.Module) -> list[CpuExperts]:
+    return [m for m in model.modules() if isinstance(m, CpuExperts)]
+
+
+def place(model: nn.Module, device: torch.device, gpu_weights: str = "bf16") -> int:
+    """Moves everything but the routed experts to `device`; returns the bytes of weights now on it."""
+    model.to(device)
+    if device.type == "cuda" and gpu_weights == "bf16":
+        for lin in [m for m in model.modules() if isinstance(m, Linear) and m.block is not None]:
+            lin.weight = nn.Parameter(lin.dense_weight(torch.bfloat16), requires_grad=False)
+            del lin.weight_scale_inv
+            lin.block = None
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def pin_experts(model: nn.Module) -> int:
+    """Copies each layer's routed-expert weights into one pinned arena; returns the bytes pinned."""
+    total = 0
+    for layer in cpu_experts(model):
+        tensors = [t for e in layer.host_experts for p in PROJ for t in getattr(e, p).parameters()]
+        arena = torch.empty(sum(t.nbytes for t in tensors), dtype=torch.uint8, pin_memory=True)
+        offset = 0
+        for e in layer.host_experts:
+            for p in PROJ:
+                lin = getattr(e, p)
+                for name, t in list(lin.named_parameters(recurse=False)):
+                    view = arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
+                    view.copy_(t)
+                    setattr(lin, name, nn.Parameter(view, requires_grad=False))
+                    offset += t.nbytes
+        layer.rebuild()
+        total += offset
+    return total

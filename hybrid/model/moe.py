@@ -40,9 +40,25 @@ class Router(nn.Module):
         return weights_TK * a.routed_scaling_factor, ids_TK
 
 
+class Done:
+    """A result already computed: what `start` returns when the experts run synchronously."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def result(self) -> torch.Tensor:
+        return self.value
+
+
 class RoutedExperts(nn.ModuleList):
     """Σ_k w_k · expert_k(x) in plain torch; a placement pass may swap in the native CPU op.
-    A list of experts, so that the weights keep the checkpoint's names (`mlp.experts.<e>.gate_proj.weight`)."""
+    A list of experts, so that the weights keep the checkpoint's names (`mlp.experts.<e>.gate_proj.weight`).
+
+    `start(...)` begins the computation and returns a handle whose `result()` gives it: an implementation that runs
+    elsewhere (the CPU kernels beside a GPU) returns at once, and the shared experts run meanwhile."""
+
+    def start(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> Done:
+        return Done(self(x_TD, weights_TK, ids_TK))
 
     def __init__(self, args: ModelArgs):
         super().__init__(
@@ -69,5 +85,6 @@ class MoE(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.flatten(0, 1)
         weights_TK, ids_TK = self.gate(x_TD)
-        routed_TD = self.experts(x_TD, weights_TK, ids_TK)
-        return (routed_TD + self.shared_experts(x_TD)).view_as(x_BSD)
+        routed = self.experts.start(x_TD, weights_TK, ids_TK)
+        shared_TD = self.shared_experts(x_TD)
+        return (routed.result() + shared_TD).view_as(x_BSD)

@@ -267,13 +267,13 @@ def test_placement_on_tiny_model(tiny_dir):
 
     Tolerances, relative to max|float64 reference|:
       * native vs the float64 MoE of the same weights: <= 1e-2. The native op is exact up to fp32 accumulation
-        except for two bf16 roundings (h before down, and the layer's bf16 output: NativeExperts returns the
+        except for two bf16 roundings (h before down, and the layer's bf16 output: CpuExperts returns the
         model dtype), each <= 2^-9 of an element;
       * the torch experts (BF16 model) vs native: <= 3e-2. The torch path rounds to bf16 at every step (the
         dequantised weights, gate, up, SiLU, h, each expert's output and the sum): ~6 roundings of <= 2^-9.
     Observed: ~3e-3 and ~1e-2.
     """
-    from hybrid.engine.placement import NativeExperts, experts_to_cpu_kernels
+    from hybrid.engine.placement import CpuExperts, experts_to_cpu_kernels
     from hybrid.model.moe import MoE
     from hybrid.weights.checkpoint import Checkpoint
     from hybrid.weights.loader import load_model
@@ -300,7 +300,7 @@ def test_placement_on_tiny_model(tiny_dir):
             cases.append((layer, moe, x, weights, ids, torch_out, full, truth))
 
     assert experts_to_cpu_kernels(model) == 2
-    assert all(isinstance(m.experts, NativeExperts) for m in moes)
+    assert all(isinstance(m.experts, CpuExperts) for m in moes)
     assert experts_to_cpu_kernels(model) == 0  # already placed
     for layer, moe, x, weights, ids, torch_out, full, truth in cases:
         native = moe.experts(x, weights, ids)

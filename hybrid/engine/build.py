@@ -1,0 +1,80 @@
+"""Build the engine from the configs: load the checkpoint, place it (routed experts on the CPU kernels, the rest on
+the compute device), check the KV cache fits, and make the generator. The one place that decides devices."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from hybrid import models
+from hybrid.config.schema import HwConfig, HybridConfig
+from hybrid.engine.generate import Generator
+from hybrid.engine.placement import experts_to_cpu_kernels, pin_experts, place
+from hybrid.engine.staging import Staging
+from hybrid.errors import ConfigError
+from hybrid.model.kv_cache import KVCache
+from hybrid.model.transformer import Transformer
+from hybrid.tokenizer import Tokenizer
+
+GPU_RESERVE = 2e9  # bytes left free on the GPU for activations and the allocator's slack
+CPU_RESERVE = 2e9
+
+
+@dataclass
+class Engine:
+    model: Transformer
+    tokenizer: Tokenizer
+    generator: Generator
+    device: torch.device
+    staging: Staging
+    device_weight_bytes: int
+
+
+def compute_device(hw: HwConfig) -> torch.device:
+    """The GPU when the (resolved) profile has one and torch sees it; else the CPU does the GPU side's work."""
+    return torch.device("cuda", 0) if hw.gpus and torch.cuda.is_available() else torch.device("cpu")
+
+
+def kv_budget_bytes(s: HybridConfig, device: torch.device) -> float:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if s.policy.gpu_memory_budget_gb:
+            return min(free, s.policy.gpu_memory_budget_gb * 1e9 - torch.cuda.memory_allocated(device))
+        return free - GPU_RESERVE
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    return avail - CPU_RESERVE
+
+
+def check_kv_cache(s: HybridConfig, model: Transformer, device: torch.device) -> int:
+    a, p = model.args, s.policy
+    per_token = KVCache.bytes_per_token(a.num_hidden_layers, a.kv_lora_rank, a.qk_rope_head_dim, model.dtype)
+    need = per_token * p.max_batch * p.max_context
+    budget = kv_budget_bytes(s, device)
+    if need > budget:
+        where = "GPU" if device.type == "cuda" else "host"
+        raise ConfigError(
+            f"the KV cache for policy.max_batch={p.max_batch} x policy.max_context={p.max_context} needs "
+            f"{need / 1e9:.2f} GB ({per_token} bytes per token) but the {where} budget left after the weights is "
+            f"{max(budget, 0) / 1e9:.2f} GB: lower policy.max_context or policy.max_batch"
+            + (", or raise policy.gpu_memory_budget_gb" if device.type == "cuda" else ""))
+    return need
+
+
+def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
+    device = compute_device(hw)
+    model, tok = models.load(s.model, progress)
+    a = model.args
+    staging = Staging(a.hidden_size, a.num_experts_per_tok, pin=device.type == "cuda")
+    if s.policy.moe_backend == "native":
+        experts_to_cpu_kernels(model, s.policy.cpu_kernel, staging, s.policy.deferred_experts)
+        if device.type == "cuda":
+            pinned = pin_experts(model)
+            print(f"routed experts: {pinned / 1e9:.2f} GB in pinned host memory", file=sys.stderr)
+    elif s.policy.deferred_experts:
+        raise ConfigError("policy.deferred_experts needs policy.moe_backend=native")
+    weight_bytes = place(model, device, s.policy.gpu_weights)
+    check_kv_cache(s, model, device)
+    gen = Generator(model, s.policy.max_batch, s.policy.max_context, a.eos_token_id, device)
+    return Engine(model, tok, gen, device, staging, weight_bytes)

@@ -1,0 +1,112 @@
+"""Hand-off between the compute device and the CPU expert kernels.
+
+`Staging` holds one set of host buffers (pinned when the model runs on a GPU) shared by every MoE layer: the
+router's ids and weights and the activations are copied into them, the stream is synchronised once per layer (the
+only host<->device synchronisation of a layer; counted in `syncs`), and the CPU op's output goes back with a
+stream-ordered copy. Reusing one set is safe: the next layer's synchronisation also waits for the previous copy
+back. On the CPU the buffers are bypassed unless `stage_on_cpu` (tests use it to run the GPU logic in CI).
+
+`Deferral` is KTransformers' expert deferral (policy.deferred_experts = D): each token's D lowest-weighted experts
+run after the others, overlapping the next layer's attention; their output joins the residual stream one MoE layer
+late (the last layer waits for its own). It changes the model's output slightly, so it is off by default.
+
+Legend: T tokens, D hidden, K experts per token.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class Staging:
+    def __init__(self, hidden: int, top_k: int, pin: bool = False, stage_on_cpu: bool = False):
+        self.hidden, self.top_k, self.pin, self.stage_on_cpu = hidden, top_k, pin, stage_on_cpu
+        self.syncs = 0
+        self._rows = 0
+        self._x = self._w = self._ids = self._out = None
+
+    def _grow(self, rows: int) -> None:
+        if rows <= self._rows:
+            return
+        rows = max(rows, 2 * self._rows)
+        new = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, pin_memory=self.pin)  # noqa: E731
+        self._x = new(rows, self.hidden, dtype=torch.bfloat16)
+        self._w = new(rows, self.top_k, dtype=torch.float32)
+        self._ids = new(rows, self.top_k, dtype=torch.int64)
+        self._out = new(rows, self.hidden, dtype=torch.float32)
+        self._rows = rows
+
+    def to_host(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
+        if x_TD.device.type == "cpu" and not self.stage_on_cpu:
+            return x_TD.to(torch.bfloat16).contiguous(), weights_TK.float().contiguous(), ids_TK.contiguous()
+        t, k = ids_TK.shape
+        self._grow(t)
+        x_h, w_h, ids_h = self._x[:t], self._w[:t, :k], self._ids[:t, :k]
+        blocking = x_TD.device.type == "cpu"
+        x_h.copy_(x_TD, non_blocking=not blocking)
+        w_h.copy_(weights_TK, non_blocking=not blocking)
+        ids_h.copy_(ids_TK, non_blocking=not blocking)
+        if not blocking:
+            torch.cuda.current_stream(x_TD.device).synchronize()
+        self.syncs += 1
+        return x_h, w_h, ids_h
+
+    def out(self, rows: int) -> torch.Tensor:
+        if self._out is None:  # unstaged CPU path
+            return torch.empty(rows, self.hidden, dtype=torch.float32)
+        return self._out[:rows] if rows <= self._rows else torch.empty(rows, self.hidden)
+
+    def to_device(self, out_h: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        if like.device.type == "cpu":
+            return out_h.to(like.dtype, copy=self._out is not None and out_h.data_ptr() == self._out.data_ptr())
+        return out_h.to(like.device, non_blocking=True).to(like.dtype)
+
+
+class Deferral:
+    def __init__(self, deferred: int, staging: Staging):
+        if deferred < 0:
+            raise ValueError("deferred_experts must be >= 0")
+        self.deferred, self.staging = deferred, staging
+        self._late: Optional[tuple] = None  # (layer, out_h) of the deferred experts in flight
+
+    def start(self, layer, x_h, w_h, ids_h, like):
+        k = ids_h.shape[1]
+        if not 0 < self.deferred < k:
+            raise ValueError(f"policy.deferred_experts={self.deferred} must be below the {k} experts per token")
+        order = w_h.argsort(dim=1, descending=True)
+        now, late = order[:, : k - self.deferred], order[:, k - self.deferred:]
+        out_now = torch.empty(x_h.shape, dtype=torch.float32)
+        layer.op.submit(x_h, ids_h.gather(1, now), w_h.gather(1, now), out_now)
+        late_job = (x_h.clone(), ids_h.gather(1, late), w_h.gather(1, late))  # own copies: staging gets reused
+        return _DeferredPending(self, layer, out_now, late_job, like)
+
+    def take_late(self, layer) -> Optional[torch.Tensor]:
+        """Waits for the previous layer's deferred experts and returns their output (or None)."""
+        if self._late is None:
+            return None
+        prev_layer, out_h = self._late
+        prev_layer.op.wait()
+        self._late = None
+        return out_h
+
+
+class _DeferredPending:
+    def __init__(self, deferral: Deferral, layer, out_now, late_job, like):
+        self.d, self.layer, self.out_now, self.late_job, self.like = deferral, layer, out_now, late_job, like
+
+    def result(self) -> torch.Tensor:
+        self.layer.op.wait()
+        total = self.out_now
+        previous = self.d.take_late(self.layer)
+        if previous is not None:
+            total = total + previous
+        x_late, ids_late, w_late = self.late_job
+        out_late = torch.empty(x_late.shape, dtype=torch.float32)
+        self.layer.op.submit(x_late, ids_late, w_late, out_late)
+        if self.layer.last:  # nothing comes after: wait for this layer's own deferred experts
+            self.layer.op.wait()
+            total = total + out_late
+        else:
+            self.d._late = (self.layer, out_late)
+        return self.d.staging.to_device(total, self.like)
