@@ -1,9 +1,12 @@
 # hybrid — `make help` lists the targets.
 PY ?= python3
 STAMP := build/.installed
+HW ?= cpu_only
+TUNE_ARGS ?=
+PORT ?= 5000
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test test-all clean
+.PHONY: help setup run test test-all tune ui clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -23,6 +26,12 @@ test: $(STAMP) ## the default test suite (everything but `slow`)
 
 test-all: $(STAMP) ## every test, slow ones included
 	$(PY) -m pytest -q
+
+tune: $(STAMP) ## tune the policy on this machine: make tune HW=cpu_only TUNE_ARGS="model=tiny tuner.n_trials=6"
+	$(PY) -m tuner +hw=$(HW) $(TUNE_ARGS)
+
+ui: $(STAMP) ## the MLflow UI of runs/ on http://127.0.0.1:5000 (PORT=...); Ctrl-C stops it and its workers
+	$(PY) -m hybrid.tracking ui --port $(PORT)
 
 clean: ## remove build outputs (keeps runs/)
 	rm -rf build hybrid/_native*.so

@@ -18,7 +18,13 @@ def _slo(settings) -> list[Record]:
     return run(settings)
 
 
-BENCHES: dict[str, Callable] = {"kernels": _kernels, "slo": _slo}
+def _decode(settings) -> list[Record]:
+    from hybrid.bench.decode import run
+
+    return run(settings)
+
+
+BENCHES: dict[str, Callable] = {"kernels": _kernels, "slo": _slo, "decode": _decode}
 
 
 def run_bench(settings) -> list[Record]:

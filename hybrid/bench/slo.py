@@ -17,8 +17,6 @@ import statistics
 import sys
 import time
 
-import torch
-
 from hybrid.bench.records import Record
 from hybrid.config.schema import HybridConfig
 from hybrid.errors import ConfigError
@@ -83,6 +81,8 @@ def run(s: HybridConfig) -> list[Record]:
 
 
 def _prompts(args, batch: int, length: int, seed: int) -> list[list[int]]:
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     special = {args.bos_token_id, args.eos_token_id} - {None}
     ids = [i for i in range(args.vocab_size) if i not in special]

@@ -96,13 +96,13 @@ class PolicyConfig:
     gpu_experts_per_layer: int = 0  # hot routed experts kept resident on the GPU, per layer
     deferred_experts: int = 0  # experts deferred to overlap the next layer (changes outputs slightly)
     gpu_memory_budget_gb: float = 0.0  # GPU memory the engine may hold; 0 = all free memory less a reserve
-    gpu_weights: str = "bf16"  # FP8 weights of the GPU side: bf16 (dequantised once) | fp8 (kept, dequantised per use)
+    gpu_weights: str = "dense"  # FP8 weights of the GPU side: dense (dequantised once) | fp8 (kept; dequantised per use)
 
     def __post_init__(self) -> None:
         if self.ring_len != "auto" and not (self.ring_len.isdigit() and int(self.ring_len) >= 1):
             raise ValueError(f"policy.ring_len must be a number >= 1 or 'auto', got {self.ring_len!r}")
-        if self.gpu_weights not in ("bf16", "fp8"):
-            raise ValueError(f"policy.gpu_weights must be bf16 or fp8, got {self.gpu_weights!r}")
+        if self.gpu_weights not in ("dense", "fp8"):
+            raise ValueError(f"policy.gpu_weights must be dense or fp8, got {self.gpu_weights!r}")
         if self.moe_backend not in ("native", "torch"):
             raise ValueError(f"policy.moe_backend must be native or torch, got {self.moe_backend!r}")
         if self.cpu_kernel not in ("auto", "avx512_bf16", "avx2", "generic"):
@@ -141,6 +141,9 @@ class BenchConfig:
     new_tokens: int = 32  # tokens generated per sequence
     batch: int = 1  # sequences prefilled, then decoded together
     roof_gb: float = 0.5  # buffer of the memory read roof that bounds decode; 0 = no roof, no bound
+    # decode: TPOT and its per-layer split at these context lengths
+    contexts: List[int] = field(default_factory=lambda: [1024, 4096, 16384, 32768])
+    steps: int = 8  # decode steps timed per context
 
     def __post_init__(self) -> None:
         if min(self.ms, default=1) < 1 or min(self.moe_tokens, default=1) < 1 or self.repeats < 1:

@@ -87,7 +87,7 @@ class Generator:
     def _prefill(self, slot: int, prompt: list[int]) -> torch.Tensor:
         tokens = self._tensor([prompt])
         pos = torch.arange(len(prompt), device=self.device)[None]
-        return self.model(tokens, pos, self.cache, self._tensor([slot]), last_only=True)[0, -1]
+        return self.model(tokens, pos, self.cache, self._tensor([slot]), last_only=True, kv_len=len(prompt))[0, -1]
 
     def _append(self, res: Result, live: list[int], tokens: torch.Tensor, on_token) -> list[int]:
         still = []
@@ -101,5 +101,6 @@ class Generator:
 
     def _decode(self, res: Result, live: list[int]) -> torch.Tensor:
         tokens = self._tensor([[res.output_ids[i][-1]] for i in live])
-        pos = self._tensor([[len(res.prompt_ids[i]) + len(res.output_ids[i]) - 1] for i in live])
-        return self.model(tokens, pos, self.cache, self._tensor(live))[:, -1]
+        positions = [len(res.prompt_ids[i]) + len(res.output_ids[i]) - 1 for i in live]
+        pos = self._tensor([[p] for p in positions])
+        return self.model(tokens, pos, self.cache, self._tensor(live), kv_len=max(positions) + 1)[:, -1]

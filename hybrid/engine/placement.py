@@ -4,8 +4,8 @@
   whatever device the rest of the model is on. Their weights stay in host memory: they are kept out of the module
   tree, so moving the model leaves them where they are.
 - `place`: the rest of the model (attention, dense layers, shared experts, router, embeddings, lm_head) moves to
-  the compute device; on a GPU its FP8 weights are dequantised once to BF16 (`gpu_weights=bf16`) or kept in FP8 and
-  dequantised per use (`fp8`: half the memory).
+  the compute device; on a GPU its FP8 weights are dequantised once to the compute dtype (`gpu_weights=dense`) or
+  kept in FP8 and dequantised per use (`fp8`: half the memory).
 - `pin_experts`: the routed experts' weights move into one pinned host arena per layer (fast copies to the GPU for
   stream-loading prefill); the mmap'd checkpoint pages are then no longer referenced.
 
@@ -13,6 +13,7 @@ Legend: T tokens, D hidden, K experts per token.
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -44,13 +45,20 @@ class CpuExperts(nn.Module):
         object.__setattr__(self, "host_experts", experts)  # not a submodule: stays in host memory
         self.kernel, self.staging, self.deferral, self.last = kernel, staging, deferral, last
         self.op = _cpu_op(experts, kernel)
+        self.timings: Optional[dict] = None  # set by a profiler: seconds of stage / cpu_moe / wait / to_device
+        self.experts_read = 0
 
     def rebuild(self) -> None:
         """After the expert weights moved (pinning), point the native op at them."""
         self.op = _cpu_op(self.host_experts, self.kernel)
 
     def start(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
+        t0 = time.perf_counter()
         x_h, w_h, ids_h = self.staging.to_host(x_TD, weights_TK, ids_TK)
+        if self.timings is not None:
+            self.timings["stage"] += time.perf_counter() - t0
+            self.experts_read += int(ids_h.unique().numel())
+            self.submitted = time.perf_counter()
         if self.deferral is not None:
             return self.deferral.start(self, x_h, w_h, ids_h, x_TD)
         out_h = self.staging.out(x_h.shape[0])
@@ -66,8 +74,16 @@ class _Pending:
         self.layer, self.out_h, self.like = layer, out_h, like
 
     def result(self) -> torch.Tensor:
-        self.layer.op.wait()
-        return self.layer.staging.to_device(self.out_h, self.like)
+        layer, t = self.layer, self.layer.timings
+        t0 = time.perf_counter()
+        layer.op.wait()
+        t1 = time.perf_counter()
+        out = layer.staging.to_device(self.out_h, self.like)
+        if t is not None:
+            t["wait"] += t1 - t0
+            t["cpu_moe"] += t1 - layer.submitted
+            t["to_device"] += time.perf_counter() - t1
+        return out
 
 
 def experts_to_cpu_kernels(model: nn.Module, kernel: str = "auto", staging: Optional[Staging] = None,
@@ -88,12 +104,12 @@ def cpu_experts(model: nn.Module) -> list[CpuExperts]:
     return [m for m in model.modules() if isinstance(m, CpuExperts)]
 
 
-def place(model: nn.Module, device: torch.device, gpu_weights: str = "bf16") -> int:
+def place(model: nn.Module, device: torch.device, gpu_weights: str = "dense") -> int:
     """Moves everything but the routed experts to `device`; returns the bytes of weights now on it."""
     model.to(device)
-    if device.type == "cuda" and gpu_weights == "bf16":
+    if device.type == "cuda" and gpu_weights == "dense":
         for lin in [m for m in model.modules() if isinstance(m, Linear) and m.block is not None]:
-            lin.weight = nn.Parameter(lin.dense_weight(torch.bfloat16), requires_grad=False)
+            lin.weight = nn.Parameter(lin.dense_weight(model.dtype), requires_grad=False)
             del lin.weight_scale_inv
             lin.block = None
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))

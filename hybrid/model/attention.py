@@ -38,8 +38,8 @@ class MLA(nn.Module):
             return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSD)))
         return self.q_proj(x_BSD)
 
-    def forward(self, x_BSD: torch.Tensor, pos_BS: torch.Tensor,
-                cache: Optional[LatentCache] = None, slots_B: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache: Optional[LatentCache] = None,
+                slots_B: Optional[torch.Tensor] = None, kv_len: int = 0) -> torch.Tensor:
         a = self.args
         B, S, _ = x_BSD.shape
         q_BSHK = self._query(x_BSD).view(B, S, a.num_attention_heads, a.qk_head_dim)
@@ -53,7 +53,7 @@ class MLA(nn.Module):
         if cache is None:
             kv_BTC, pe_BTR, key_pos_BT = kv_c_BSC, k_pe_BSR, pos_BS
         else:
-            kv_BTC, pe_BTR = cache.write_and_read(slots_B, pos_BS, kv_c_BSC, k_pe_BSR)
+            kv_BTC, pe_BTR = cache.write_and_read(slots_B, pos_BS, kv_c_BSC, k_pe_BSR, kv_len)
             key_pos_BT = torch.arange(kv_BTC.shape[1], device=pos_BS.device).expand(B, -1)
         kv_BTC, pe_BTR = kv_BTC.to(x_BSD.dtype), pe_BTR.to(x_BSD.dtype)
 

@@ -13,12 +13,11 @@ class LatentCache:
     def __init__(self, kv_CTC: torch.Tensor, pe_CTR: torch.Tensor):
         self.kv, self.pe = kv_CTC, pe_CTR  # [slots, T, C], [slots, T, R]
 
-    def write_and_read(self, slots_B, pos_BS, kv_BSC, pe_BSR):
-        """Store the new tokens at their positions, return every position up to the furthest one."""
+    def write_and_read(self, slots_B, pos_BS, kv_BSC, pe_BSR, kv_len: int):
+        """Store the new tokens at their positions, return the first kv_len positions (past the furthest one)."""
         self.kv[slots_B[:, None], pos_BS] = kv_BSC.to(self.kv.dtype)
         self.pe[slots_B[:, None], pos_BS] = pe_BSR.to(self.pe.dtype)
-        t = int(pos_BS.max()) + 1
-        return self.kv[slots_B, :t], self.pe[slots_B, :t]
+        return self.kv[slots_B, :kv_len], self.pe[slots_B, :kv_len]
 
 
 class KVCache:

@@ -29,9 +29,19 @@ def inv_freq(rope: RopeArgs, dim: int, device=None) -> torch.Tensor:
     return freqs / rope.factor * (1 - keep) + freqs * keep
 
 
+_FREQS: dict = {}
+
+
+def cached_inv_freq(rope: RopeArgs, dim: int, device) -> torch.Tensor:
+    key = (rope, dim, str(device))
+    if key not in _FREQS:
+        _FREQS[key] = inv_freq(rope, dim, device)
+    return _FREQS[key]
+
+
 def apply_rope(x: torch.Tensor, pos_BS: torch.Tensor, rope: RopeArgs) -> torch.Tensor:
     """x: [B, S, H, R] rotated by its position pos_BS: [B, S]."""
-    freqs = inv_freq(rope, x.shape[-1], x.device)
+    freqs = cached_inv_freq(rope, x.shape[-1], x.device)
     angles = pos_BS.to(torch.float32)[..., None] * freqs  # [B, S, R/2]
     cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
     xf = x.float().unflatten(-1, (-1, 2))

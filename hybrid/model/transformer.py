@@ -28,8 +28,8 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(args.hidden_size, args.intermediate_size, args.fp8_block)
 
-    def forward(self, x_BSD, pos_BS, cache=None, slots_B=None):
-        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), pos_BS, cache, slots_B)
+    def forward(self, x_BSD, pos_BS, cache=None, slots_B=None, kv_len: int = 0):
+        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), pos_BS, cache, slots_B, kv_len)
         return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
 
 
@@ -52,12 +52,16 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens_BS: torch.Tensor, pos_BS: torch.Tensor, cache: Optional[KVCache] = None,
-                slots_B: Optional[torch.Tensor] = None, last_only: bool = False) -> torch.Tensor:
+                slots_B: Optional[torch.Tensor] = None, last_only: bool = False,
+                kv_len: Optional[int] = None) -> torch.Tensor:
         """Logits (fp32) for every token, or for the last one of each sequence when `last_only`.
-        Without a cache, attention covers exactly the tokens given (a full recomputation)."""
+        Without a cache, attention covers exactly the tokens given (a full recomputation). With one, `kv_len`
+        (1 + the furthest position) saves reading it back from `pos_BS`, which would wait for the device."""
+        if cache is not None and kv_len is None:
+            kv_len = int(pos_BS.max()) + 1
         x_BSD = self.model.embed_tokens(tokens_BS).to(self.dtype)
         for i, block in enumerate(self.model.layers):
-            x_BSD = block(x_BSD, pos_BS, cache.layers[i] if cache else None, slots_B)
+            x_BSD = block(x_BSD, pos_BS, cache.layers[i] if cache else None, slots_B, kv_len or 0)
         if last_only:
             x_BSD = x_BSD[:, -1:]
         x_BSD = self.model.norm(x_BSD)

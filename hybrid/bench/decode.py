@@ -1,0 +1,108 @@
+"""`mode=bench bench=decode`: hybrid decode on the configured model (meant for model=dsv3_slice): per context
+length, TPOT and where the step's time goes per layer (device attention / router / shared experts / dense MLP,
+host staging, CPU MoE, waits), routed-expert bytes read per token against the read roof measured in the same run,
+GPU- and CPU-idle fractions, and a projection to the full 61-layer model (labelled as one).
+
+The sequences sit at the context length without prefilling it: attention reads every cached position up to the
+current one whatever the values, so a step's cost at context C is that of a real step at C.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from hybrid.bench.records import Record
+from hybrid.engine.build import build
+from hybrid.engine.profile import StepProfile
+from hybrid.errors import ConfigError
+from hybrid.kernels.membw import calibrate, read_roof
+
+FULL_MOE_LAYERS = 58  # DeepSeek-V3: 61 layers, the first 3 dense
+DEVICE_PARTS = ("attention", "router", "shared_experts", "dense_mlp")
+HOST_PARTS = ("stage", "cpu_moe", "wait", "to_device")
+
+
+def _step(engine, tokens, pos, slots, kv_len: int) -> None:
+    logits = engine.model(tokens, pos, engine.generator.cache, slots, kv_len=kv_len)[:, -1]
+    logits.argmax(-1).tolist()  # the sampler's hand-back: one synchronisation per step
+
+
+def _context(engine, cfg, profile: StepProfile, ctx: int) -> tuple[list[float], dict]:
+    dev, b = engine.device, cfg.batch
+    slots = torch.arange(b, device=dev)
+    tokens = torch.randint(2, engine.model.args.vocab_size, (b, 1), device=dev)
+    times = []
+    for i in range(cfg.steps + 2):  # two warm-up steps
+        if i == 2:
+            profile.reset()
+        pos = torch.full((b, 1), ctx - 1 + i, device=dev)
+        t0 = time.perf_counter()
+        _step(engine, tokens, pos, slots, ctx + i)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return times, profile.summary()
+
+
+def run(settings) -> list[Record]:
+    s, cfg = settings, settings.bench
+    if max(cfg.contexts) + cfg.steps + 2 > s.policy.max_context:
+        raise ConfigError(f"bench.contexts reach {max(cfg.contexts)} (+{cfg.steps + 2} steps) but the KV cache "
+                          f"holds policy.max_context={s.policy.max_context}: raise policy.max_context")
+    if cfg.batch > s.policy.max_batch:
+        raise ConfigError(f"bench.batch={cfg.batch} exceeds policy.max_batch={s.policy.max_batch}")
+    engine = build(s, s.hw, progress=sys.stderr.isatty())
+    a = engine.model.args
+    n_moe = a.num_hidden_layers - a.first_k_dense_replace
+    expert_bytes = 3 * a.hidden_size * a.moe_intermediate_size * (1 if a.fp8_block else 2)
+    streams, _ = calibrate(cfg.roof_gb)
+    roof = read_roof(cfg.roof_gb, 5, streams)
+    print(f"decode on {engine.device}: {n_moe} MoE layers, roof {roof:.1f} GB/s", file=sys.stderr)
+    profile = StepProfile(engine.model, engine.device)
+    records = [Record("read_roof", roof, "GB/s", extra={"streams": streams})]
+    for ctx in cfg.contexts:
+        syncs0 = engine.staging.syncs
+        times, parts = _context(engine, cfg, profile, ctx)
+        records += _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe,
+                            (engine.staging.syncs - syncs0) / (cfg.steps + 2), s)
+    profile.close()
+    first, last = (next(r for r in records if r.name == "tpot" and r.extra["context"] == c)
+                   for c in (cfg.contexts[0], cfg.contexts[-1]))
+    records.append(Record("tpot_ratio", last.value / first.value, "x",
+                          extra={"from_context": cfg.contexts[0], "to_context": cfg.contexts[-1]}))
+    return records
+
+
+def _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, syncs, s) -> list[Record]:
+    steps, b = len(times), cfg.batch
+    tpot = statistics.median(times)
+    per_step = {k: v / steps for k, v in parts.items()}
+    bytes_step = per_step["experts_read"] * expert_bytes
+    bound = bytes_step / (roof * 1e9)
+    device_busy = sum(per_step.get(k, 0.0) for k in DEVICE_PARTS)
+    common = {"context": ctx, "batch": b}
+    out = [
+        Record("tpot", tpot, "s", None, b, extra={**common, "tokens_per_s": b / tpot, "syncs_per_step": syncs,
+                                                  "min_s": min(times)}),
+        Record("expert_bytes_per_token", bytes_step / b, "B", extra={**common, "experts_per_step":
+                                                                     per_step["experts_read"]}),
+        Record("decode_vs_expert_bound", bound / tpot, "fraction", 1.0, b,
+               extra={**common, "bound_s": bound, "roof_gbs": roof}),
+        Record("gpu_idle_fraction", max(0.0, 1 - device_busy / tpot), "fraction", extra=common),
+        Record("cpu_idle_fraction", max(0.0, 1 - per_step["cpu_moe"] / tpot), "fraction", extra=common),
+    ]
+    for part in DEVICE_PARTS + HOST_PARTS:
+        if part in per_step:
+            out.append(Record(f"split.{part}", per_step[part] * 1e3, "ms/step", extra=common))
+    scale = FULL_MOE_LAYERS / n_moe
+    out.append(Record("projected_tpot_61_layers", tpot * scale, "s", extra={
+        **common, "projection": f"this machine: TPOT x {FULL_MOE_LAYERS}/{n_moe} MoE layers"}))
+    if s.hw.cpu.mem_bw_gbps:
+        frac = min(1.0, bound / tpot)
+        t_hw = bytes_step * scale / (s.hw.cpu.mem_bw_gbps * 1e9 * frac)
+        out.append(Record("projected_tpot_61_layers_on_profile", t_hw, "s", extra={
+            **common, "projection": f"{s.hw.name}: expert bytes / ({s.hw.cpu.mem_bw_gbps} GB/s x {frac:.2f}, the "
+                                    "fraction of the roof reached here)"}))
+    return out

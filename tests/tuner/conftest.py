@@ -1,0 +1,73 @@
+"""Helpers for the tuner's tests: `python -m tuner` as a user runs it, on a copy of conf/ (the tuner writes
+conf/policy/<hw>.yaml and edits conf/hw/<hw>.yaml) and a runs/ directory of the test's own."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid.config.compose import CONF_DIR
+from tests.conftest import model_spec
+
+# Small trials: the tiny model, a short prompt, few tokens, one pass, no read-roof probe (a trial takes ~3-4 s,
+# mostly interpreter start-up).
+FAST = ["+hw=cpu_only", "model=tiny", "bench.prompt_tokens=16", "bench.new_tokens=4", "bench.repeats=1",
+        "bench.roof_gb=0"]
+
+
+def ensure_tiny(runs: Path) -> None:
+    """The tiny checkpoint under runs/models before any trial: concurrent trials must not all generate it."""
+    from hybrid.weights.synthetic import ensure_checkpoint
+
+    ensure_checkpoint(runs / "models", "tiny", model_spec("tiny"), 0)
+
+
+@pytest.fixture(scope="session")
+def tuner_runs(tmp_path_factory) -> Path:
+    runs = tmp_path_factory.mktemp("tuner_runs")
+    ensure_tiny(runs)
+    return runs
+
+
+@pytest.fixture
+def conf(tmp_path) -> Path:
+    dst = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, dst)
+    return dst
+
+
+def env_for(conf: Path, runs: Path, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "HYBRID_CONF_DIR": str(conf), "HYBRID_RUNS_DIR": str(runs)}
+    env.pop("HYBRID_TEST_INJECT_FAULT", None)
+    env.update(extra)
+    return env
+
+
+def tune(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tuner", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def start_tuner(*args: str, env: dict[str, str], out: Path) -> subprocess.Popen:
+    with open(out, "w") as f:
+        return subprocess.Popen([sys.executable, "-m", "tuner", *args], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                text=True)
+
+
+def load(storage: str, name: str):
+    import optuna
+
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+def alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state != "Z"

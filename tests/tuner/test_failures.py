@@ -1,0 +1,48 @@
+"""A crashing trial and one over its deadline are recorded as failed and the sweep goes on; every trial is an MLflow
+child run of the study's run (the shared tracking store of the session)."""
+from __future__ import annotations
+
+from mlflow.tracking import MlflowClient
+
+from tests.tuner.conftest import FAST, alive, ensure_tiny, env_for, load, tune
+
+
+def test_crash_and_deadline_fail_the_trial_not_the_sweep(conf, mlflow_runs, tmp_path):
+    ensure_tiny(mlflow_runs)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    env = env_for(conf, mlflow_runs, HYBRID_TRACKING="1", HYBRID_TEST_INJECT_FAULT="0:crash,1:hang")
+    p = tune(*FAST, "tuner.n_trials=3", f"tuner.storage={storage}", "tuner.study_name=failures",
+             "tuner.trial_timeout_s=15", "tracking.experiment=test-failures", env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    trials = load(storage, "failures").get_trials()
+    assert [t.state.name for t in trials] == ["FAIL", "FAIL", "COMPLETE"], p.stdout
+    assert trials[0].user_attrs["failure"] == "crash" and "injected crash" in trials[0].user_attrs["detail"]
+    assert trials[1].user_attrs["failure"] == "deadline"
+    assert not alive(trials[1].user_attrs["pid"]), "the hung trial was killed"
+    assert trials[2].values[0] > 0 and trials[2].user_attrs["metrics"]["ttft_s"] > 0
+    assert "trial 0 FAIL" in p.stdout and "crash: RuntimeError" in p.stdout and "deadline" in p.stdout
+    assert (conf / "policy" / "cpu_only.yaml").exists(), "the one complete trial becomes the policy"
+
+    c = MlflowClient(f"sqlite:///{mlflow_runs / 'mlflow.db'}")
+    exp = c.get_experiment_by_name("test-failures")
+    assert exp.artifact_location.startswith((mlflow_runs / "mlartifacts").as_uri())
+    runs = c.search_runs([exp.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("kind") == "study"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    parent = parents[0].info.run_id
+    children = {int(r.data.tags["optuna.trial"]): r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent}
+    assert sorted(children) == [0, 1, 2]
+    assert [children[n].info.status for n in (0, 1, 2)] == ["FAILED", "FAILED", "FINISHED"]
+    assert children[1].data.tags["outcome"] == "deadline" and "policy.cpu_threads" in children[1].data.params
+    ok = children[2]
+    assert {"ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s", "objective.decode_tok_s"} <= set(ok.data.metrics)
+    assert ok.data.params["hw.name"] == "cpu_only" and ok.data.params["model.name"] == "tiny"
+    assert {"policy.cpu_threads", "policy.moe_backend", "hw.cpu.cores", "run.threads"} <= set(ok.data.params)
+    files = {a.path for a in c.list_artifacts(ok.info.run_id)} | {a.path for a in c.list_artifacts(ok.info.run_id,
+                                                                                                       "plots")}
+    assert {"config.yaml", "report.json", "plots/report_card.png"} <= files, files
+    assert "mode: bench" in c.download_artifacts(ok.info.run_id, "config.yaml", str(tmp_path)) and \
+        "cpu_only" in open(f"{tmp_path}/config.yaml").read()
+    plots = {a.path for a in c.list_artifacts(parent, "plots")}
+    assert {"plots/optimization_history.png", "plots/pareto_front.png"} <= plots, plots
+    assert "best_policy.yaml" in {a.path for a in c.list_artifacts(parent)}

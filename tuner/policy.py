@@ -1,0 +1,96 @@
+"""The tuned policy as config: conf/policy/<hw>.yaml (the full PolicyConfig, checked by the schema before it is
+written), and one line in conf/hw/<hw>.yaml that makes `+hw=<hw>` select it:
+
+    defaults:
+      - override /policy@_global_.policy: <hw>
+
+(`+hw=NAME` adds the hw profile to the defaults list; from inside it, `override /policy@_global_.policy` replaces
+config.yaml's `policy: default`, at the package `policy`. A plain `override /policy: <hw>` fails: relative to the
+hw profile its package would be `hw.policy`. An explicit `policy=...` on the command line still wins.)
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+
+from hybrid.config.schema import PolicyConfig
+
+OVERRIDE = "override /policy@_global_.policy"
+
+
+def checked(base: PolicyConfig, params: dict[str, Any]) -> PolicyConfig:
+    """base with params applied, through the schema: types (OmegaConf) and the __post_init__ checks."""
+    merged = OmegaConf.merge(OmegaConf.structured(PolicyConfig), asdict(base), params)
+    return OmegaConf.to_object(merged)
+
+
+def write(conf_dir: Path, hw: str, policy: PolicyConfig, header: list[str]) -> Path:
+    path = conf_dir / "policy" / f"{hw}.yaml"
+    comments = {}
+    default = conf_dir / "policy" / "default.yaml"
+    if default.exists():  # carry default.yaml's comment above each knob
+        comments = _knob_comments(default.read_text())
+    lines = [f"# {h}" if h else "#" for h in header]
+    lines.append("")
+    for f in fields(PolicyConfig):
+        value = getattr(policy, f.name)
+        lines += comments.get(f.name, [])
+        lines.append(yaml.safe_dump({f.name: value}, default_flow_style=True).strip().strip("{}"))
+    text = "\n".join(lines) + "\n"
+    # what we wrote reads back as the same policy
+    if OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PolicyConfig), yaml.safe_load(text))) != policy:
+        raise RuntimeError(f"{path}: the written policy does not read back as the tuned one")
+    path.write_text(text)
+    return path
+
+
+def select_in_hw_profile(conf_dir: Path, hw: str) -> tuple[Path, bool]:
+    """Make conf/hw/<hw>.yaml select policy <hw> (idempotent). Returns the path and whether it changed."""
+    path = conf_dir / "hw" / f"{hw}.yaml"
+    text = path.read_text()
+    line = f"  - {OVERRIDE}: {hw}"
+    pattern = re.compile(rf"^\s*-\s*{re.escape(OVERRIDE)}\s*:\s*(\S+)\s*$", re.M)
+    m = pattern.search(text)
+    if m:
+        if m.group(1) == hw:
+            return path, False
+        new = pattern.sub(line, text, count=1)
+    elif re.search(r"^defaults:\s*$", text, re.M):
+        new = re.sub(r"^defaults:\s*$", "defaults:\n" + line, text, count=1, flags=re.M)
+    else:
+        lines = text.splitlines(keepends=True)
+        i = 0
+        while i < len(lines) and lines[i].lstrip().startswith("#"):
+            i += 1
+        block = (f"# The tuned policy for this machine (written by `python -m tuner +hw={hw}`): conf/policy/{hw}.yaml\n"
+                 f"defaults:\n{line}\n")
+        new = "".join(lines[:i]) + block + "".join(lines[i:])
+    path.write_text(new)
+    return path, True
+
+
+def header(study: str, trial: int, metric: str, storage: str) -> list[str]:
+    return [f"The tuned policy for this machine, written by `python -m tuner` on {time.strftime('%Y-%m-%d %H:%M')}.",
+            f"study: {study} ({storage})",
+            f"trial: {trial}",
+            f"measured: {metric}",
+            "Machine-specific: re-tune on another machine. Knobs as in conf/policy/default.yaml."]
+
+
+def _knob_comments(text: str) -> dict[str, list[str]]:
+    out, pending = {}, []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            pending.append(line)
+        elif re.match(r"^[a-z_]+:", line):
+            out[line.split(":")[0]] = pending
+            pending = []
+        else:
+            pending = []
+    return out
