@@ -24,7 +24,13 @@ def _decode(settings) -> list[Record]:
     return run(settings)
 
 
-BENCHES: dict[str, Callable] = {"kernels": _kernels, "slo": _slo, "decode": _decode}
+def _prefill(settings) -> list[Record]:
+    from hybrid.bench.prefill import run
+
+    return run(settings)
+
+
+BENCHES: dict[str, Callable] = {"kernels": _kernels, "slo": _slo, "decode": _decode, "prefill": _prefill}
 
 
 def run_bench(settings) -> list[Record]:

@@ -144,6 +144,10 @@ class BenchConfig:
     # decode: TPOT and its per-layer split at these context lengths
     contexts: List[int] = field(default_factory=lambda: [1024, 4096, 16384, 32768])
     steps: int = 8  # decode steps timed per context
+    # prefill: TTFT by prompt length, stream-loading vs the CPU path, ring-length sweep
+    prompt_lengths: List[int] = field(default_factory=lambda: [512, 2048, 8192, 16384])
+    ring_sweep: List[int] = field(default_factory=lambda: [2, 8, 32, 128])  # at the longest prompt
+    cpu_max_tokens: int = 2048  # the CPU path is timed up to this prompt length
 
     def __post_init__(self) -> None:
         if min(self.ms, default=1) < 1 or min(self.moe_tokens, default=1) < 1 or self.repeats < 1:

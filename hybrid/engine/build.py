@@ -10,11 +10,13 @@ import torch
 from hybrid import models
 from hybrid.config.schema import HwConfig, HybridConfig
 from hybrid.engine.generate import Generator
-from hybrid.engine.placement import experts_to_cpu_kernels, pin_experts, place
+from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, pin_experts, place
 from hybrid.engine.staging import Staging
 from hybrid.errors import ConfigError
 from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
+from hybrid.prefill.ring import auto_ring_len, layout
+from hybrid.prefill.slp import expert_tensors, streaming
 from hybrid.tokenizer import Tokenizer
 
 GPU_RESERVE = 2e9  # bytes left free on the GPU for activations and the allocator's slack
@@ -76,5 +78,28 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
         raise ConfigError("policy.deferred_experts needs policy.moe_backend=native")
     weight_bytes = place(model, device, s.policy.gpu_weights)
     check_kv_cache(s, model, device)
-    gen = Generator(model, s.policy.max_batch, s.policy.max_context, a.eos_token_id, device)
+    long_prefill = None
+    if device.type == "cuda" and s.policy.moe_backend == "native":
+        long_prefill = slp_context(s, model, device)
+    gen = Generator(model, s.policy.max_batch, s.policy.max_context, a.eos_token_id, device, long_prefill,
+                    s.policy.slp_cutoff_tokens)
     return Engine(model, tok, gen, device, staging, weight_bytes)
+
+
+def slp_context(s: HybridConfig, model: Transformer, device: torch.device):
+    """tokens -> the stream-loading context for a prompt that long (ring length from policy.ring_len)."""
+    layers = cpu_experts(model)
+    _, slot_bytes = layout(expert_tensors(layers[0].host_experts[0]))
+
+    def context(tokens: int):
+        budget = kv_budget_bytes(s, device) - activation_bytes(model.args, tokens)
+        ring_len = (auto_ring_len(tokens, model.args.n_routed_experts, slot_bytes, budget)
+                    if s.policy.ring_len == "auto" else int(s.policy.ring_len))
+        return streaming(model, device, ring_len, budget)
+    return context
+
+
+def activation_bytes(a, tokens: int) -> float:
+    """A generous estimate of one MoE layer's prefill activations: hidden states, routing, one expert's
+    intermediate, attention scores per head chunk."""
+    return tokens * (8 * a.hidden_size + 6 * a.moe_intermediate_size + 4 * a.num_experts_per_tok * 3) * 4

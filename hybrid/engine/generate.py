@@ -2,9 +2,10 @@
 each at its own position. Times every phase for the SLO report (TTFT, TPOT, tokens/s)."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 
@@ -41,8 +42,11 @@ class Result:
 
 class Generator:
     def __init__(self, model: Transformer, max_batch: int, max_context: int, eos_id: Optional[int] = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", long_prefill: Optional[Callable[[int], ContextManager]] = None,
+                 cutoff: int = 0):
+        """long_prefill(tokens): a context in which prompts over `cutoff` tokens are prefilled (stream-loading)."""
         self.model, self.eos_id, self.device = model, eos_id, torch.device(device)
+        self.long_prefill, self.cutoff = long_prefill, cutoff
         self.max_context = max_context
         self.cache = model.new_cache(max_batch, max_context, self.device)
 
@@ -87,7 +91,10 @@ class Generator:
     def _prefill(self, slot: int, prompt: list[int]) -> torch.Tensor:
         tokens = self._tensor([prompt])
         pos = torch.arange(len(prompt), device=self.device)[None]
-        return self.model(tokens, pos, self.cache, self._tensor([slot]), last_only=True, kv_len=len(prompt))[0, -1]
+        streamed = self.long_prefill is not None and len(prompt) > self.cutoff
+        with self.long_prefill(len(prompt)) if streamed else contextlib.nullcontext():
+            return self.model(tokens, pos, self.cache, self._tensor([slot]), last_only=True,
+                              kv_len=len(prompt))[0, -1]
 
     def _append(self, res: Result, live: list[int], tokens: torch.Tensor, on_token) -> list[int]:
         still = []

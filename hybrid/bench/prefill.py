@@ -1,0 +1,94 @@
+"""`mode=bench bench=prefill`: stream-loading prefill (SLP) against its bound, the CPU path beside it.
+
+Bound per prompt: max(routed-expert bytes ÷ pinned host-to-device rate, expert FLOPs ÷ GPU BF16 matmul rate), both
+rates measured in this run. SLP moves every expert of every MoE layer once per prompt.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from hybrid.bench.records import Record
+from hybrid.engine.build import build
+from hybrid.errors import ConfigError
+from hybrid.prefill.slp import streaming
+
+FULL_MOE_LAYERS = 58
+
+
+def h2d_rate(gigabytes: float = 1.0) -> float:
+    src = torch.empty(int(gigabytes * 1e9), dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device="cuda")
+    best = 0.0
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = max(best, src.numel() / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def matmul_rate(m: int = 8192, n: int = 2048, k: int = 7168) -> float:
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    a @ b.t()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ b.t()
+    torch.cuda.synchronize()
+    return 2 * m * n * k * 20 / (time.perf_counter() - t0) / 1e12
+
+
+def _ttft(engine, n: int, ring_len=None) -> float:
+    m, dev = engine.model, engine.device
+    tokens = torch.randint(2, m.args.vocab_size, (1, n), device=dev)
+    pos = torch.arange(n, device=dev)[None]
+    slot = torch.tensor([0], device=dev)
+    if ring_len is None:
+        ctx = engine.generator.long_prefill(n)
+    elif ring_len == 0:  # the CPU path
+        ctx = torch.no_grad()
+    else:
+        ctx = streaming(m, dev, ring_len, 1e15)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with ctx:
+        m(tokens, pos, engine.generator.cache, slot, last_only=True, kv_len=n).argmax().item()
+    return time.perf_counter() - t0
+
+
+def run(settings) -> list[Record]:
+    s, cfg = settings, settings.bench
+    engine = build(s, s.hw, progress=sys.stderr.isatty())
+    if engine.device.type != "cuda" or engine.generator.long_prefill is None:
+        raise ConfigError("bench=prefill streams experts through a GPU: it needs a GPU profile (+hw=...) with CUDA "
+                          "and policy.moe_backend=native")
+    if max(cfg.prompt_lengths) > s.policy.max_context:
+        raise ConfigError(f"bench.prompt_lengths reach {max(cfg.prompt_lengths)}: raise policy.max_context")
+    a = engine.model.args
+    n_moe = a.num_hidden_layers - a.first_k_dense_replace
+    expert_bytes = 3 * a.hidden_size * a.moe_intermediate_size * (1 if a.fp8_block else 2)
+    h2d, mm = h2d_rate(), matmul_rate()
+    print(f"pinned H2D {h2d:.1f} GB/s, BF16 matmul {mm:.0f} TFLOP/s", file=sys.stderr)
+    records = [Record("h2d_pinned", h2d, "GB/s"), Record("gpu_bf16_matmul", mm, "TFLOP/s")]
+    _ttft(engine, min(cfg.prompt_lengths))  # warm-up
+    for n in cfg.prompt_lengths:
+        moved = n_moe * a.n_routed_experts * expert_bytes
+        flops = n_moe * n * a.num_experts_per_tok * 3 * 2 * a.hidden_size * a.moe_intermediate_size
+        bound = max(moved / (h2d * 1e9), flops / (mm * 1e12))
+        t = _ttft(engine, n)
+        records.append(Record("slp_ttft", t, "s", None, n, extra={"tokens_per_s": n / t, "bound_s": bound,
+                                                                 "fraction_of_bound": bound / t,
+                                                                 "projected_61_layers_s": t * FULL_MOE_LAYERS / n_moe}))
+        if n <= cfg.cpu_max_tokens:
+            tc = _ttft(engine, n, ring_len=0)
+            records.append(Record("cpu_path_ttft", tc, "s", None, n, extra={"tokens_per_s": n / tc}))
+    longest = max(cfg.prompt_lengths)
+    for ring in cfg.ring_sweep:
+        t = _ttft(engine, longest, ring)
+        records.append(Record("slp_ring_sweep", t, "s", None, longest, extra={"ring_len": ring}))
+    return records

@@ -1,0 +1,32 @@
+"""A CUDA event paired with a host event: the host side says "recorded", the CUDA side says "done on the GPU".
+On the CPU stand-in device there is no CUDA side and work is done when it is recorded."""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+
+class PairedEvent:
+    def __init__(self, device: torch.device):
+        self.host = threading.Event()
+        self.cuda: Optional[torch.cuda.Event] = torch.cuda.Event() if device.type == "cuda" else None
+
+    def record(self) -> None:
+        """After enqueuing the work on the current stream."""
+        if self.cuda is not None:
+            self.cuda.record()
+        self.host.set()
+
+    def wait_on_stream(self) -> None:
+        """The current stream waits for the recorded work (the host only waits for it to be enqueued)."""
+        self.host.wait()
+        if self.cuda is not None:
+            torch.cuda.current_stream().wait_event(self.cuda)
+
+    def synchronize(self) -> None:
+        """The host waits until the recorded work has run."""
+        self.host.wait()
+        if self.cuda is not None:
+            self.cuda.synchronize()

@@ -1,0 +1,120 @@
+"""Stream-loading prefill on the CPU stand-in device: same logits as the plain forward, sound ring reuse, budget."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from hybrid.engine.generate import Generator
+from hybrid.engine.placement import experts_to_cpu_kernels
+from hybrid.errors import ConfigError
+from hybrid.prefill.ring import auto_ring_len, overwritten_before_off
+from hybrid.prefill.slp import Pipeline, StreamedExperts, streaming
+from hybrid.weights.checkpoint import Checkpoint
+from hybrid.weights.loader import load_model
+
+CPU = torch.device("cpu")
+BIG = 1e12  # budget, bytes
+
+
+def _models(tiny_dir):
+    plain = load_model(Checkpoint(tiny_dir), torch.float32, progress=False)  # torch experts
+    hybrid = load_model(Checkpoint(tiny_dir), torch.float32, progress=False)
+    experts_to_cpu_kernels(hybrid)
+    return plain, hybrid
+
+
+@pytest.mark.parametrize("ring_len", [1, 2, 3, 16])
+def test_slp_logits_equal_the_plain_forward(tiny_dir, ring_len):
+    plain, hybrid = _models(tiny_dir)
+    tokens = torch.randint(2, 320, (1, 40), generator=torch.Generator().manual_seed(ring_len))
+    pos = torch.arange(40)[None]
+    want = plain(tokens, pos)[0]
+    with streaming(hybrid, CPU, ring_len, BIG) as pipe:
+        got = hybrid(tokens, pos)[0]
+    assert (got - want).abs().max() <= 1e-5, f"ring_len {ring_len}"
+    n_moe, n_exp = 2, 16
+    writes = [x for x in pipe.ring.log if x[0] == "write"]
+    assert len(writes) == n_moe * n_exp and len(pipe.ring.log) == 2 * n_moe * n_exp
+    assert overwritten_before_off(pipe.ring.log) == []
+    assert {slot for _, slot, _ in writes} == set(range(min(ring_len, n_moe * n_exp)))
+
+
+def test_no_slot_is_overwritten_before_off_even_when_the_model_is_slow(tiny_dir, monkeypatch):
+    _, hybrid = _models(tiny_dir)
+    real_take = Pipeline.take
+
+    def slow_take(self, layer, expert):
+        time.sleep(0.002)  # the loader runs ahead as far as the ring lets it
+        return real_take(self, layer, expert)
+
+    monkeypatch.setattr(Pipeline, "take", slow_take)
+    tokens = torch.randint(2, 320, (1, 12))
+    with streaming(hybrid, CPU, 2, BIG) as pipe:
+        hybrid(tokens, torch.arange(12)[None])
+    assert overwritten_before_off(pipe.ring.log) == []
+    # the checker itself catches a write into a slot still in use
+    assert overwritten_before_off([("write", 0, "a"), ("write", 0, "b")]) == [(0, "a")]
+
+
+def test_experts_are_restored_after_streaming(tiny_dir):
+    _, hybrid = _models(tiny_dir)
+    before = [m.experts for m in hybrid.modules() if hasattr(m, "experts")]
+    with streaming(hybrid, CPU, 2, BIG):
+        assert all(isinstance(m.experts, StreamedExperts) for m in hybrid.modules() if hasattr(m, "experts"))
+    assert before == [m.experts for m in hybrid.modules() if hasattr(m, "experts")]
+
+
+def test_budget_too_small_for_the_ring_names_the_knob(tiny_dir):
+    _, hybrid = _models(tiny_dir)
+    with pytest.raises(ConfigError, match=r"policy\.ring_len=4 .*gpu_memory_budget_gb"):
+        with streaming(hybrid, CPU, 4, 1000):
+            pass
+
+
+def test_generator_uses_slp_above_the_cutoff_and_writes_the_kv_cache(tiny_dir):
+    plain, hybrid = _models(tiny_dir)
+    used = []
+
+    def long_prefill(tokens):
+        used.append(tokens)
+        return streaming(hybrid, CPU, 2, BIG)
+
+    prompt = list(range(2, 30))
+    ref = Generator(plain, 1, 64)
+    want = ref.generate([prompt], 1).output_ids
+    slp = Generator(hybrid, 1, 64, long_prefill=long_prefill, cutoff=16)
+    assert slp.generate([prompt], 1).output_ids == want and used == [len(prompt)]
+    for mine, theirs in zip(slp.cache.layers, ref.cache.layers):  # what decode will read
+        n = len(prompt)
+        assert (mine.kv[0, :n] - theirs.kv[0, :n]).abs().max() <= 1e-5
+        assert (mine.pe[0, :n] - theirs.pe[0, :n]).abs().max() <= 1e-5
+    Generator(hybrid, 1, 64, long_prefill=long_prefill, cutoff=64).generate([prompt], 2)
+    assert used == [len(prompt)], "prompts at or under the cutoff take the CPU path"
+
+
+def test_auto_ring_len_is_deep_for_short_prompts_and_ping_pong_for_long():
+    slot = 44 * 10**6
+    assert auto_ring_len(2_000, 256, slot, 100e9) == 256
+    assert auto_ring_len(60_000, 256, slot, 100e9) == 2
+    mid = auto_ring_len(20_000, 256, slot, 100e9)
+    assert 2 < mid < 256
+    assert auto_ring_len(2_000, 256, slot, 10 * slot) == 10  # capped by the budget
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_slp_on_the_gpu_matches_the_plain_forward(tiny_dir):
+    from hybrid.engine.placement import pin_experts, place
+
+    plain, hybrid = _models(tiny_dir)
+    gpu = torch.device("cuda", 0)
+    pin_experts(hybrid)
+    place(hybrid, gpu)
+    tokens = torch.randint(2, 320, (1, 40))
+    want = plain(tokens, torch.arange(40)[None])[0]
+    for ring_len in (1, 2, 16):
+        with streaming(hybrid, gpu, ring_len, BIG) as pipe:
+            got = hybrid(tokens.to(gpu), torch.arange(40, device=gpu)[None])[0].cpu()
+        assert (got - want).abs().max() <= 1e-4, f"ring_len {ring_len}"
+        assert overwritten_before_off(pipe.ring.log) == []
