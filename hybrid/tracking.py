@@ -155,9 +155,10 @@ def log_run(s, cfg, report: Mapping[str, Any], hw, threads: int) -> Optional[str
 
 
 def _log_run(s, cfg, report, hw, threads) -> str:
+    import time
+
     from mlflow.entities import Metric, Param, RunTag
     from omegaconf import OmegaConf
-    import time
 
     t = s.tracking
     c = client(t)
@@ -179,10 +180,12 @@ def _log_run(s, cfg, report, hw, threads) -> str:
             c.log_batch(run_id, tags=[RunTag("hw", hw.name), RunTag("model", s.model.name)])
         c.log_text(run_id, OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
         c.log_text(run_id, json.dumps(report, indent=1, default=str), "report.json")
-        for name, fig in plots(report).items():
-            c.log_figure(run_id, fig, f"plots/{name}.png")
-            import matplotlib.pyplot as plt
+        label = f"bench={s.bench.name}" if s.mode.value == "bench" else s.mode.value
+        figures = plots(report, f"{label}: {s.model.name} on {hw.name}")
+        import matplotlib.pyplot as plt
 
+        for name, fig in figures.items():
+            c.log_figure(run_id, fig, f"plots/{name}.png")
             plt.close(fig)
     except Exception:
         if owned:
@@ -190,10 +193,11 @@ def _log_run(s, cfg, report, hw, threads) -> str:
         raise
     if owned:
         c.set_terminated(run_id, "FINISHED")
+        print(f"tracked: MLflow run {run_id} in {tracking_uri(t)}", file=sys.stderr)
     return run_id
 
 
-def plots(report: Mapping[str, Any]) -> dict[str, Any]:
+def plots(report: Mapping[str, Any], title: str = "") -> dict[str, Any]:
     """The report card as figures: SLO figures (latencies in ms, throughputs with their bound), and achieved ÷
     bound for every record that has a bound."""
     import matplotlib
@@ -227,7 +231,7 @@ def plots(report: Mapping[str, Any]) -> dict[str, Any]:
         thr.set_title("throughput")
         if any(slo[n].get("bound") for n in names):
             thr.legend(fontsize=7)
-        fig.suptitle(f"{report.get('model') or report.get('bench', '')} on {report.get('hw', '')}", fontsize=9)
+        fig.suptitle(title or f"{report.get('model', '')} on {report.get('hw', '')}", fontsize=9)
         fig.tight_layout()
         out["report_card"] = fig
     bounded = [r for r in recs if r.get("fraction_of_bound") is not None]

@@ -29,7 +29,7 @@ from hybrid.bench.slo import TRIAL_ENV
 from hybrid.config.compose import CONF_DIR, RUNS_DIR, to_settings
 from hybrid.errors import ConfigError
 from tuner import plots, policy as policy_file, space as sp, trial as trial_run
-from tuner.config import Objective, TuneConfig
+from tuner.config import TuneConfig
 from tuner.select import knee
 from tuner.track import StudyTracker
 
@@ -249,7 +249,8 @@ class Tuner:
         best = self.best(study)
         best_text = ""
         if best is not None:
-            best_text = f" | best: trial {best.number} " + ", ".join(
+            label = "best" if len(self.metrics) == 1 else f"Pareto front of {len(study.best_trials)}, knee"
+            best_text = f" | {label}: trial {best.number} " + ", ".join(
                 f"{k} {_fmt(v)}" for k, v in zip(self.metrics, best.values))
         secs = ft.user_attrs.get("seconds")
         print(f"trial {ft.number} {state} ({secs if secs is not None else '?'} s) {what}{best_text}", flush=True)

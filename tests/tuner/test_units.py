@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from hybrid.config.compose import to_settings
 from hybrid.config.schema import PolicyConfig, register as register_engine
