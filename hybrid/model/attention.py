@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybrid.model.args import ModelArgs
@@ -58,14 +59,38 @@ class MLA(nn.Module):
         kv_BTC, pe_BTR = kv_BTC.to(x_BSD.dtype), pe_BTR.to(x_BSD.dtype)
 
         w_HXC = self.kv_b_proj.dense_weight(x_BSD.dtype).view(a.num_attention_heads, -1, a.kv_lora_rank)
+        visible_BST = key_pos_BT[:, None, :] <= pos_BS[:, :, None]
+        if S > 1:
+            # a chunk covering every key from position 0 (a whole prompt) is plain causal: no mask needed
+            causal = S == kv_BTC.shape[1] and (cache is None or kv_len == S)
+            o_BSHV = self._expanded(q_nope_BSHN, q_pe_BSHR, kv_BTC, pe_BTR, w_HXC, None if causal else visible_BST)
+        else:
+            o_BSHV = self._absorbed(q_nope_BSHN, q_pe_BSHR, kv_BTC, pe_BTR, w_HXC, visible_BST)
+        return self.o_proj(o_BSHV.flatten(2))
+
+    def _absorbed(self, q_nope_BSHN, q_pe_BSHR, kv_BTC, pe_BTR, w_HXC, visible_BST):
+        """Decode: queries projected into the latent space; nothing per head is expanded over T."""
+        a = self.args
         w_uk_HNC, w_uv_HVC = w_HXC.split([a.qk_nope_head_dim, a.v_head_dim], dim=1)
         q_lat_BSHC = torch.einsum("bshn,hnc->bshc", q_nope_BSHN, w_uk_HNC)
         scores_BSHT = (
             torch.einsum("bshc,btc->bsht", q_lat_BSHC, kv_BTC) + torch.einsum("bshr,btr->bsht", q_pe_BSHR, pe_BTR)
         ).float() * a.softmax_scale
-        visible_BST = key_pos_BT[:, None, :] <= pos_BS[:, :, None]
         scores_BSHT = scores_BSHT.masked_fill(~visible_BST[:, :, None, :], float("-inf"))
-        probs_BSHT = scores_BSHT.softmax(dim=-1).to(x_BSD.dtype)
+        probs_BSHT = scores_BSHT.softmax(dim=-1).to(q_nope_BSHN.dtype)
         o_BSHC = torch.einsum("bsht,btc->bshc", probs_BSHT, kv_BTC)
-        o_BSHV = torch.einsum("bshc,hvc->bshv", o_BSHC, w_uv_HVC)
-        return self.o_proj(o_BSHV.flatten(2))
+        return torch.einsum("bshc,hvc->bshv", o_BSHC, w_uv_HVC)
+
+    def _expanded(self, q_nope_BSHN, q_pe_BSHR, kv_BTC, pe_BTR, w_HXC, visible_BST):
+        """Prefill: keys and values expanded per head, then a fused attention kernel, whose memory grows with
+        S·T only through the mask (visible_BST None: plain causal, no mask)."""
+        a, H = self.args, self.args.num_attention_heads
+        kv_BTHX = torch.einsum("btc,hxc->bthx", kv_BTC, w_HXC)
+        k_nope_BTHN, v_BTHV = kv_BTHX.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
+        k_BTHK = torch.cat([k_nope_BTHN, pe_BTR[:, :, None, :].expand(-1, -1, H, -1)], dim=-1)
+        q_BSHK = torch.cat([q_nope_BSHN, q_pe_BSHR], dim=-1)
+        causal = visible_BST is None
+        o_BHSV = F.scaled_dot_product_attention(q_BSHK.transpose(1, 2), k_BTHK.transpose(1, 2),
+                                                v_BTHV.transpose(1, 2), attn_mask=None if causal else
+                                                visible_BST[:, None], is_causal=causal, scale=a.softmax_scale)
+        return o_BHSV.transpose(1, 2)
