@@ -14,7 +14,7 @@ def test_crash_and_deadline_fail_the_trial_not_the_sweep(conf, mlflow_runs, tmp_
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     env = env_for(conf, mlflow_runs, HYBRID_TRACKING="1", HYBRID_TEST_INJECT_FAULT="0:crash,1:hang")
     p = tune(*FAST, "tuner.n_trials=3", f"tuner.storage={storage}", "tuner.study_name=failures",
-             "tuner.trial_timeout_s=8", "tracking.experiment=test-failures", env=env)
+             "tuner.trial_timeout_s=8", "tracking.experiment=test-failures", "bench.roof_gb=0.05", env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     trials = load(storage, "failures").get_trials()
     assert [t.state.name for t in trials] == ["FAIL", "FAIL", "COMPLETE"], p.stdout
@@ -42,7 +42,8 @@ def test_crash_and_deadline_fail_the_trial_not_the_sweep(conf, mlflow_runs, tmp_
     assert {"policy.cpu_threads", "policy.moe_backend", "hw.cpu.cores", "run.threads"} <= set(ok.data.params)
     files = {a.path for a in c.list_artifacts(ok.info.run_id)} | {a.path for a in c.list_artifacts(ok.info.run_id,
                                                                                                        "plots")}
-    assert {"config.yaml", "report.json", "plots/report_card.png"} <= files, files
+    assert {"config.yaml", "report.json", "plots/report_card.png", "plots/of_bound.png"} <= files, files
+    assert 0 < ok.data.metrics["decode_tok_s.of_bound"] < 1, "achieved ÷ bound"
     config = Path(c.download_artifacts(ok.info.run_id, "config.yaml", str(tmp_path))).read_text()
     assert "mode: bench" in config and "name: cpu_only" in config and "cpu_threads:" in config
     plots = {a.path for a in c.list_artifacts(parent, "plots")}
