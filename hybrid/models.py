@@ -2,6 +2,8 @@
 checkpoint (written under runs/models/ on first use, or kept in memory)."""
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -26,6 +28,7 @@ def open_source(cfg: ModelConfig) -> tuple[TensorSource, Path]:
     if cfg.in_memory:
         source = in_memory_checkpoint(spec, cfg.seed)
         tok_dir = Path(tempfile.mkdtemp(prefix="hybrid-tokenizer-"))
+        atexit.register(shutil.rmtree, tok_dir, True)
         a = source.args
         write_byte_tokenizer(tok_dir, a.vocab_size, a.bos_token_id, a.eos_token_id)
         return source, tok_dir

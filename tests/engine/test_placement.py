@@ -108,8 +108,7 @@ def test_deferral_needs_fewer_deferred_than_experts(tiny_dir):
         m(_tokens(3), torch.arange(3)[None])
 
 
-def test_cpu_only_profile_runs_on_the_cpu_and_kv_budget_is_checked(tmp_path, monkeypatch):
-    monkeypatch.setenv("HYBRID_RUNS_DIR", str(tmp_path))
+def test_cpu_only_profile_runs_on_the_cpu_and_kv_budget_is_checked():
     s = to_settings(compose(["+hw=cpu_only"]))
     assert compute_device(s.hw) == torch.device("cpu")
     huge = to_settings(compose(["+hw=cpu_only", "policy.max_context=1000000000"]))
@@ -120,8 +119,7 @@ def test_cpu_only_profile_runs_on_the_cpu_and_kv_budget_is_checked(tmp_path, mon
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_hybrid_engine_matches_cpu_only_engine(tmp_path, monkeypatch):
-    monkeypatch.setenv("HYBRID_RUNS_DIR", str(tmp_path))
+def test_hybrid_engine_matches_cpu_only_engine():
     outputs = []
     for hw in ("cpu_only", "h200_xeon16"):
         s = to_settings(compose([f"+hw={hw}", "policy.adapt_to_hardware=true", "model.dtype=float32"]))
