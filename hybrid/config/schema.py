@@ -90,6 +90,7 @@ class PolicyConfig:
     cpu_gemm_tile_tokens: int = 64  # tokens per expert from which FP8 tiles are converted once and reused
     slp_cutoff_tokens: int = 4096  # prompts longer than this are prefilled on the GPU by stream-loading
     ring_len: str = "auto"  # expert slots of the stream-loading ring buffer: a number >= 1, or auto
+    slp_chunk_tokens: int = 0  # stream-loading prefill in chunks of this many tokens; 0 = auto (as memory allows)
     batch_cap: int = 6  # most decoding requests batched together
     max_batch: int = 8  # KV-cache slots (sequences held at once)
     max_context: int = 4096  # tokens per sequence the KV cache holds
@@ -109,7 +110,8 @@ class PolicyConfig:
             raise ValueError(
                 f"policy.cpu_kernel must be auto, avx512_bf16, avx2 or generic, got {self.cpu_kernel!r}"
             )
-        for knob in ("cpu_threads", "slp_cutoff_tokens", "gpu_experts_per_layer", "deferred_experts"):
+        for knob in ("cpu_threads", "slp_cutoff_tokens", "slp_chunk_tokens", "gpu_experts_per_layer",
+                     "deferred_experts"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"policy.{knob} must be >= 0, got {getattr(self, knob)}")
         for knob in ("batch_cap", "max_batch", "max_context", "cpu_gemm_tile_tokens"):

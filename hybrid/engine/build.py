@@ -78,25 +78,41 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
         raise ConfigError("policy.deferred_experts needs policy.moe_backend=native")
     weight_bytes = place(model, device, s.policy.gpu_weights)
     check_kv_cache(s, model, device)
-    long_prefill = None
+    long_prefill, chunk = None, 0
     if device.type == "cuda" and s.policy.moe_backend == "native":
         long_prefill = slp_context(s, model, device)
+        chunk = s.policy.slp_chunk_tokens or auto_chunk(model.args, kv_budget_bytes(s, device), slot_bytes(model))
     gen = Generator(model, s.policy.max_batch, s.policy.max_context, a.eos_token_id, device, long_prefill,
-                    s.policy.slp_cutoff_tokens)
+                    s.policy.slp_cutoff_tokens, chunk)
     return Engine(model, tok, gen, device, staging, weight_bytes)
 
 
+def slot_bytes(model: Transformer) -> int:
+    return layout(expert_tensors(cpu_experts(model)[0].host_experts[0]))[1]
+
+
 def slp_context(s: HybridConfig, model: Transformer, device: torch.device):
-    """tokens -> the stream-loading context for a prompt that long (ring length from policy.ring_len)."""
-    layers = cpu_experts(model)
-    _, slot_bytes = layout(expert_tensors(layers[0].host_experts[0]))
+    """tokens -> the stream-loading context for a chunk that long (ring length from policy.ring_len)."""
+    slot = slot_bytes(model)
 
     def context(tokens: int):
         budget = kv_budget_bytes(s, device) - activation_bytes(model.args, tokens)
-        ring_len = (auto_ring_len(tokens, model.args.n_routed_experts, slot_bytes, budget)
+        ring_len = (auto_ring_len(tokens, model.args.n_routed_experts, slot, budget)
                     if s.policy.ring_len == "auto" else int(s.policy.ring_len))
         return streaming(model, device, ring_len, budget)
     return context
+
+
+def auto_chunk(a, budget_bytes: float, slot: int) -> int:
+    """The most tokens whose prefill activations fit the budget beside a ping-pong ring (0 = no chunking needed
+    below a million tokens)."""
+    room = budget_bytes - 2 * slot
+    per_token = activation_bytes(a, 1)
+    if room <= per_token * 1024:
+        raise ConfigError(f"the GPU budget ({budget_bytes / 1e9:.2f} GB) leaves no room for stream-loading prefill "
+                          "activations: raise policy.gpu_memory_budget_gb or set policy.slp_chunk_tokens")
+    tokens = int(room // per_token)
+    return 0 if tokens >= 1_000_000 else tokens // 256 * 256
 
 
 def activation_bytes(a, tokens: int) -> float:

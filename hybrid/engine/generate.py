@@ -43,10 +43,11 @@ class Result:
 class Generator:
     def __init__(self, model: Transformer, max_batch: int, max_context: int, eos_id: Optional[int] = None,
                  device: torch.device | str = "cpu", long_prefill: Optional[Callable[[int], ContextManager]] = None,
-                 cutoff: int = 0):
-        """long_prefill(tokens): a context in which prompts over `cutoff` tokens are prefilled (stream-loading)."""
+                 cutoff: int = 0, chunk: int = 0):
+        """long_prefill(tokens): a context in which prompts over `cutoff` tokens are prefilled (stream-loading),
+        `chunk` tokens at a time (0 = the whole prompt), the weights streamed once per chunk."""
         self.model, self.eos_id, self.device = model, eos_id, torch.device(device)
-        self.long_prefill, self.cutoff = long_prefill, cutoff
+        self.long_prefill, self.cutoff, self.chunk = long_prefill, cutoff, chunk
         self.max_context = max_context
         self.cache = model.new_cache(max_batch, max_context, self.device)
 
@@ -89,12 +90,15 @@ class Generator:
         return torch.tensor(data, device=self.device)
 
     def _prefill(self, slot: int, prompt: list[int]) -> torch.Tensor:
-        tokens = self._tensor([prompt])
-        pos = torch.arange(len(prompt), device=self.device)[None]
         streamed = self.long_prefill is not None and len(prompt) > self.cutoff
-        with self.long_prefill(len(prompt)) if streamed else contextlib.nullcontext():
-            return self.model(tokens, pos, self.cache, self._tensor([slot]), last_only=True,
-                              kv_len=len(prompt))[0, -1]
+        step = self.chunk if streamed and self.chunk else len(prompt)
+        for start in range(0, len(prompt), step):
+            end = min(len(prompt), start + step)
+            tokens = self._tensor([prompt[start:end]])
+            pos = torch.arange(start, end, device=self.device)[None]
+            with self.long_prefill(end - start) if streamed else contextlib.nullcontext():
+                logits = self.model(tokens, pos, self.cache, self._tensor([slot]), last_only=True, kv_len=end)
+        return logits[0, -1]
 
     def _append(self, res: Result, live: list[int], tokens: torch.Tensor, on_token) -> list[int]:
         still = []

@@ -119,3 +119,35 @@ def test_slp_on_the_gpu_matches_the_plain_forward(tiny_dir):
             got = hybrid(tokens.to(gpu), torch.arange(40, device=gpu)[None])[0].cpu()
         assert (got - want).abs().max() <= 1e-4, f"ring_len {ring_len}"
         assert overwritten_before_off(pipe.ring.log) == []
+
+
+def test_chunked_slp_prefill_equals_one_pass(tiny_dir):
+    plain, hybrid = _models(tiny_dir)
+    chunks = []
+
+    def long_prefill(tokens):
+        chunks.append(tokens)
+        return streaming(hybrid, CPU, 2, BIG)
+
+    prompt = list(range(2, 45))
+    ref = Generator(plain, 1, 64)
+    want = ref.generate([prompt], 1).output_ids
+    slp = Generator(hybrid, 1, 64, long_prefill=long_prefill, cutoff=16, chunk=16)
+    assert slp.generate([prompt], 1).output_ids == want
+    assert chunks == [16, 16, 11], "the experts stream once per chunk"
+    for mine, theirs in zip(slp.cache.layers, ref.cache.layers):
+        assert (mine.kv[0, :len(prompt)] - theirs.kv[0, :len(prompt)]).abs().max() <= 1e-5
+
+
+def test_auto_chunk_fits_the_budget():
+    from hybrid.engine.build import activation_bytes, auto_chunk
+    from hybrid.model.args import ModelArgs
+    from hybrid.weights.presets import DEEPSEEK_V3
+
+    a = ModelArgs.from_hf_config(DEEPSEEK_V3)
+    slot = 44 * 10**6
+    assert auto_chunk(a, 1e15, slot) == 0  # everything fits: one pass
+    chunk = auto_chunk(a, 8e9, slot)
+    assert 0 < chunk and activation_bytes(a, chunk) + 2 * slot <= 8e9 and chunk % 256 == 0
+    with pytest.raises(ConfigError, match="gpu_memory_budget_gb"):
+        auto_chunk(a, 2 * slot, slot)
