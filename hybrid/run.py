@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from hybrid import tracking
-from hybrid.bench import run_bench
+from hybrid.bench import plot_bench, run_bench
 from hybrid.bench.records import save, table
 from hybrid.config.compose import RUNS_DIR, to_settings
 from hybrid.config.schema import HwConfig, HybridConfig, Mode, OutputFormat
@@ -54,7 +54,9 @@ def bench(s: HybridConfig, hw_name: str, machine) -> dict:
     context = {"hw": hw_name, "machine": machine.summary(), "threads": thread_pool.threads(),
                "kernel": selected(s.policy.cpu_kernel)}
     path = save(records, RUNS_DIR / "bench", s.bench.name, context)
-    report = {"bench": s.bench.name, **context, "records": [r.as_json() for r in records], "path": str(path)}
+    png = plot_bench(s.bench.name, records, path)
+    report = {"bench": s.bench.name, **context, "records": [r.as_json() for r in records], "path": str(path),
+              **({"plot": str(png)} if png else {})}
     if s.output == OutputFormat.json:  # one line: what the tuner reads
         print(json.dumps(report), flush=True)
     else:

@@ -1,7 +1,8 @@
 """Benchmarks: each reports achieved figures against a bound measured in the same run (`mode=bench bench=NAME`)."""
 from __future__ import annotations
 
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Optional
 
 from hybrid.bench.records import Record
 
@@ -31,6 +32,17 @@ def _prefill(settings) -> list[Record]:
 
 
 BENCHES: dict[str, Callable] = {"kernels": _kernels, "slo": _slo, "decode": _decode, "prefill": _prefill}
+
+
+def plot_bench(name: str, records: list[Record], json_path) -> Optional[Path]:
+    """A PNG beside the JSON, for the benchmarks that draw one."""
+    if name != "prefill":
+        return None
+    from hybrid.bench.prefill import plot
+
+    png = Path(json_path).with_suffix(".png")
+    plot(records, png)
+    return png
 
 
 def run_bench(settings) -> list[Record]:

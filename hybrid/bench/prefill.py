@@ -92,3 +92,40 @@ def run(settings) -> list[Record]:
         t = _ttft(engine, longest, ring)
         records.append(Record("slp_ring_sweep", t, "s", None, longest, extra={"ring_len": ring}))
     return records
+
+
+def plot(records: list[Record], png) -> None:
+    """TTFT against prompt length on log axes (like the paper's), SLP and the CPU path, the crossover marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {name: sorted((r.m, r.value) for r in records if r.name == name) for name in ("slp_ttft", "cpu_path_ttft")}
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, label in (("slp_ttft", "stream-loading prefill (GPU)"), ("cpu_path_ttft", "CPU path")):
+        if series[name]:
+            ax.plot(*zip(*series[name]), marker="o", label=label)
+    cross = crossover(series["slp_ttft"], series["cpu_path_ttft"])
+    if cross:
+        ax.axvline(cross, linestyle="--", color="grey", label=f"crossover ≈ {cross:.0f} tokens")
+    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="TTFT (s)", title="Prefill TTFT")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def crossover(slp: list[tuple[int, float]], cpu: list[tuple[int, float]]):
+    """The prompt length where the two TTFT curves cross (log-linear interpolation between measured lengths), or
+    None when one path wins over the whole shared range."""
+    import math
+
+    common = sorted(set(dict(slp)) & set(dict(cpu)))
+    diff = [(n, math.log(dict(cpu)[n]) - math.log(dict(slp)[n])) for n in common]
+    for (n0, d0), (n1, d1) in zip(diff, diff[1:]):
+        if d0 <= 0 < d1 or d0 >= 0 > d1:
+            f = d0 / (d0 - d1)
+            return math.exp(math.log(n0) + f * (math.log(n1) - math.log(n0)))
+    return None

@@ -147,7 +147,7 @@ class BenchConfig:
     contexts: List[int] = field(default_factory=lambda: [1024, 4096, 16384, 32768])
     steps: int = 8  # decode steps timed per context
     # prefill: TTFT by prompt length, stream-loading vs the CPU path, ring-length sweep
-    prompt_lengths: List[int] = field(default_factory=lambda: [512, 2048, 8192, 16384])
+    prompt_lengths: List[int] = field(default_factory=lambda: [128, 512, 2048, 8192, 16384])
     ring_sweep: List[int] = field(default_factory=lambda: [2, 8, 32, 128])  # at the longest prompt
     cpu_max_tokens: int = 2048  # the CPU path is timed up to this prompt length
 

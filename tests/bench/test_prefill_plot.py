@@ -1,0 +1,30 @@
+"""The prefill benchmark's TTFT plot and crossover, from records (the benchmark itself needs a GPU)."""
+from __future__ import annotations
+
+import pytest
+
+from hybrid.bench import plot_bench
+from hybrid.bench.prefill import crossover
+from hybrid.bench.records import Record
+
+
+def test_crossover_interpolates_where_the_curves_cross():
+    slp = [(512, 0.2), (2048, 0.25)]
+    cpu = [(512, 0.1), (2048, 0.4)]
+    x = crossover(slp, cpu)
+    assert 512 < x < 2048
+    assert crossover([(512, 0.2)], [(512, 0.9)]) is None  # SLP wins everywhere measured
+
+
+def test_plot_is_written_beside_the_json(tmp_path):
+    recs = [Record("slp_ttft", t, "s", None, n) for n, t in ((512, 0.2), (2048, 0.3), (8192, 0.5))]
+    recs += [Record("cpu_path_ttft", t, "s", None, n) for n, t in ((512, 0.1), (2048, 0.6))]
+    png = plot_bench("prefill", recs, tmp_path / "prefill-x.json")
+    assert png == tmp_path / "prefill-x.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_bench("kernels", recs, tmp_path / "k.json") is None
+
+
+@pytest.mark.parametrize("missing", ["slp_ttft", "cpu_path_ttft"])
+def test_plot_copes_with_one_series(tmp_path, missing):
+    recs = [Record(n, 0.2, "s", None, 512) for n in ("slp_ttft", "cpu_path_ttft") if n != missing]
+    assert plot_bench("prefill", recs, tmp_path / "p.json").exists()
