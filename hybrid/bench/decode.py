@@ -20,7 +20,7 @@ from hybrid.engine.profile import StepProfile
 from hybrid.errors import ConfigError
 from hybrid.kernels.membw import calibrate, read_roof
 
-FULL_MOE_LAYERS = 58  # DeepSeek-V3: 61 layers, the first 3 dense
+FULL_MOE_LAYERS, FULL_DENSE_LAYERS = 58, 3  # DeepSeek-V3: 61 layers, the first 3 dense
 DEVICE_PARTS = ("attention", "router", "shared_experts", "dense_mlp")
 HOST_PARTS = ("stage", "cpu_moe", "wait", "to_device")
 
@@ -65,7 +65,7 @@ def run(settings) -> list[Record]:
     for ctx in cfg.contexts:
         syncs0 = engine.staging.syncs
         times, parts = _context(engine, cfg, profile, ctx)
-        records += _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe,
+        records += _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, a.first_k_dense_replace,
                             (engine.staging.syncs - syncs0) / (cfg.steps + 2), s)
     profile.close()
     first, last = (next(r for r in records if r.name == "tpot" and r.extra["context"] == c)
@@ -75,7 +75,17 @@ def run(settings) -> list[Record]:
     return records
 
 
-def _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, syncs, s) -> list[Record]:
+def project(tpot: float, per_step: dict, n_moe: int, n_dense: int) -> float:
+    """TPOT of the full model from a slice's step: a dense layer costs its attention share plus its MLP; a MoE layer
+    the rest of the step, divided among the slice's MoE layers (embeddings, lm_head and sampling are counted in it,
+    so the projection errs high)."""
+    layers = n_moe + n_dense
+    dense = per_step.get("attention", 0.0) / layers + per_step.get("dense_mlp", 0.0) / max(n_dense, 1)
+    moe = (tpot - n_dense * dense) / n_moe
+    return FULL_MOE_LAYERS * moe + FULL_DENSE_LAYERS * dense
+
+
+def _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, n_dense, syncs, s) -> list[Record]:
     steps, b = len(times), cfg.batch
     tpot = statistics.median(times)
     per_step = {k: v / steps for k, v in parts.items()}
@@ -97,8 +107,9 @@ def _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, syncs, s) -> lis
         if part in per_step:
             out.append(Record(f"split.{part}", per_step[part] * 1e3, "ms/step", extra=common))
     scale = FULL_MOE_LAYERS / n_moe
-    out.append(Record("projected_tpot_61_layers", tpot * scale, "s", extra={
-        **common, "projection": f"this machine: TPOT x {FULL_MOE_LAYERS}/{n_moe} MoE layers"}))
+    out.append(Record("projected_tpot_61_layers", project(tpot, per_step, n_moe, n_dense), "s", extra={
+        **common, "projection": f"this machine, from the step's split: {FULL_MOE_LAYERS} x the MoE-layer time + "
+                                f"{FULL_DENSE_LAYERS} x the dense-layer time"}))
     if s.hw.cpu.mem_bw_gbps:
         frac = min(1.0, bound / tpot)
         t_hw = bytes_step * scale / (s.hw.cpu.mem_bw_gbps * 1e9 * frac)
