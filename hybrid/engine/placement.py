@@ -22,7 +22,7 @@ from torch import nn
 from hybrid.kernels.moe import CpuMoE
 from hybrid.model.layers import Linear
 from hybrid.model.moe import MoE, RoutedExperts
-from hybrid.engine.staging import Deferral, Staging
+from hybrid.engine.staging import Deferral, Staging, record_wait
 
 PROJ = ("gate_proj", "up_proj", "down_proj")
 
@@ -74,16 +74,13 @@ class _Pending:
         self.layer, self.out_h, self.like = layer, out_h, like
 
     def result(self) -> torch.Tensor:
-        layer, t = self.layer, self.layer.timings
         t0 = time.perf_counter()
-        layer.op.wait()
+        self.layer.op.wait()
         t1 = time.perf_counter()
-        out = layer.staging.to_device(self.out_h, self.like)
-        if t is not None:
-            t["wait"] += t1 - t0
-            t["cpu_moe"] += t1 - layer.submitted
-            t["to_device"] += time.perf_counter() - t1
+        out = self.layer.staging.to_device(self.out_h, self.like)
+        record_wait(self.layer, t0, t1)
         return out
+
 
 
 def experts_to_cpu_kernels(model: nn.Module, kernel: str = "auto", staging: Optional[Staging] = None,

@@ -14,9 +14,19 @@ Legend: T tokens, D hidden, K experts per token.
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
+
+
+def record_wait(layer, waited_from: float, done: float) -> None:
+    """For a profiler (layer.timings set): the caller's wait, the CPU MoE from submission to its end, the copy back."""
+    t = layer.timings
+    if t is not None:
+        t["wait"] += done - waited_from
+        t["cpu_moe"] += done - layer.submitted
+        t["to_device"] += time.perf_counter() - done
 
 
 class Staging:
@@ -96,7 +106,9 @@ class _DeferredPending:
         self.d, self.layer, self.out_now, self.late_job, self.like = deferral, layer, out_now, late_job, like
 
     def result(self) -> torch.Tensor:
+        t0 = time.perf_counter()
         self.layer.op.wait()
+        t1 = time.perf_counter()
         total = self.out_now
         previous = self.d.take_late(self.layer)
         if previous is not None:
@@ -109,4 +121,6 @@ class _DeferredPending:
             total = total + out_late
         else:
             self.d._late = (self.layer, out_late)
-        return self.d.staging.to_device(total, self.like)
+        out = self.d.staging.to_device(total, self.like)
+        record_wait(self.layer, t0, t1)
+        return out
