@@ -73,24 +73,30 @@ def test_budget_too_small_for_the_ring_names_the_knob(tiny_dir):
             pass
 
 
+def _recording(hybrid, calls: list):
+    """long_prefill for the generator: streams through a 2-slot ring and records each chunk's length."""
+    def long_prefill(tokens):
+        calls.append(tokens)
+        return streaming(hybrid, CPU, 2, BIG)
+    return long_prefill
+
+
+def _same_cache(a: Generator, b: Generator, n: int) -> None:
+    for mine, theirs in zip(a.cache.layers, b.cache.layers):  # what decode will read
+        assert (mine.kv[0, :n] - theirs.kv[0, :n]).abs().max() <= 1e-5
+        assert (mine.pe[0, :n] - theirs.pe[0, :n]).abs().max() <= 1e-5
+
+
 def test_generator_uses_slp_above_the_cutoff_and_writes_the_kv_cache(tiny_dir):
     plain, hybrid = _models(tiny_dir)
     used = []
-
-    def long_prefill(tokens):
-        used.append(tokens)
-        return streaming(hybrid, CPU, 2, BIG)
-
     prompt = list(range(2, 30))
     ref = Generator(plain, 1, 64)
     want = ref.generate([prompt], 1).output_ids
-    slp = Generator(hybrid, 1, 64, long_prefill=long_prefill, cutoff=16)
+    slp = Generator(hybrid, 1, 64, long_prefill=_recording(hybrid, used), cutoff=16)
     assert slp.generate([prompt], 1).output_ids == want and used == [len(prompt)]
-    for mine, theirs in zip(slp.cache.layers, ref.cache.layers):  # what decode will read
-        n = len(prompt)
-        assert (mine.kv[0, :n] - theirs.kv[0, :n]).abs().max() <= 1e-5
-        assert (mine.pe[0, :n] - theirs.pe[0, :n]).abs().max() <= 1e-5
-    Generator(hybrid, 1, 64, long_prefill=long_prefill, cutoff=64).generate([prompt], 2)
+    _same_cache(slp, ref, len(prompt))
+    Generator(hybrid, 1, 64, long_prefill=_recording(hybrid, used), cutoff=64).generate([prompt], 2)
     assert used == [len(prompt)], "prompts at or under the cutoff take the CPU path"
 
 
@@ -124,19 +130,13 @@ def test_slp_on_the_gpu_matches_the_plain_forward(tiny_dir):
 def test_chunked_slp_prefill_equals_one_pass(tiny_dir):
     plain, hybrid = _models(tiny_dir)
     chunks = []
-
-    def long_prefill(tokens):
-        chunks.append(tokens)
-        return streaming(hybrid, CPU, 2, BIG)
-
     prompt = list(range(2, 45))
     ref = Generator(plain, 1, 64)
     want = ref.generate([prompt], 1).output_ids
-    slp = Generator(hybrid, 1, 64, long_prefill=long_prefill, cutoff=16, chunk=16)
+    slp = Generator(hybrid, 1, 64, long_prefill=_recording(hybrid, chunks), cutoff=16, chunk=16)
     assert slp.generate([prompt], 1).output_ids == want
     assert chunks == [16, 16, 11], "the experts stream once per chunk"
-    for mine, theirs in zip(slp.cache.layers, ref.cache.layers):
-        assert (mine.kv[0, :len(prompt)] - theirs.kv[0, :len(prompt)]).abs().max() <= 1e-5
+    _same_cache(slp, ref, len(prompt))
 
 
 def test_auto_chunk_fits_the_budget():
