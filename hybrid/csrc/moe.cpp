@@ -30,6 +30,7 @@ struct MoELayer::Plan {
   std::unique_ptr<std::atomic<int>[]> gu_left, prep;  // per used expert
   std::atomic<int64_t> next_task{0}, next_reduce{0};
   std::atomic<int> arrived{0};
+  std::atomic<int> syncs{0};  // global synchronisation points passed by the current call
   int threads = 1;
   int64_t reduce_chunk = 0, n_reduce = 0, ldxp = 0, ldh = 0;
   Scratch<uint16_t> xg, xprep, h;
@@ -96,6 +97,8 @@ MoELayer::MoELayer(const std::vector<View>& gate, const std::vector<View>& gate_
 
 MoELayer::~MoELayer() { wait(); }
 
+int MoELayer::last_global_syncs() const { return p_->syncs.load(); }
+
 void MoELayer::plan(const View& x, const View& ids, const View& weights, const View& out) {
   check_view(x, "x", {"bfloat16"}, 2);
   check_view(ids, "ids", {"int64", "int32"}, 2);
@@ -147,6 +150,7 @@ void MoELayer::forward(const View& x, const View& ids, const View& weights, cons
   plan(x, ids, weights, out);
   schedule(isa, pool().size());
   pool().run([this](int worker) { run_job(worker); });
+  ++p_->syncs;  // the end of the job
 }
 
 void MoELayer::schedule(const std::string& isa, int participants) {
@@ -180,12 +184,13 @@ void MoELayer::schedule(const std::string& isa, int participants) {
   if (n_used) push(int32_t(n_used - 1), 1, D_, d_chunk);
   p.reduce_chunk = std::min<int64_t>(D_, 512);
   p.n_reduce = p.T * ((D_ + p.reduce_chunk - 1) / p.reduce_chunk);
-  p.next_task = 0, p.next_reduce = 0, p.arrived = 0;
+  p.next_task = 0, p.next_reduce = 0, p.arrived = 0, p.syncs = 0;
 }
 
 void MoELayer::wait() {
   if (!pending_) return;
   pool().wait();
+  ++p_->syncs;  // the end of the job
   pending_ = false;
 }
 
@@ -265,13 +270,13 @@ void MoELayer::run_job(int) {
     if (t.stage == 0) gate_up(t.expert, t.r0, t.r1, tile);
     else down(t.expert, t.r0, t.r1, tile);
   }
-  p.arrived.fetch_add(1, std::memory_order_acq_rel);  // global sync 1: every down projection is done
+  if (p.arrived.fetch_add(1, std::memory_order_acq_rel) == p.threads - 1) ++p.syncs;  // every down projection done
   while (p.arrived.load(std::memory_order_acquire) < p.threads) _mm_pause();
   const int64_t per_token = (D_ + p.reduce_chunk - 1) / p.reduce_chunk;
   for (int64_t i; (i = p.next_reduce.fetch_add(1)) < p.n_reduce;) {
     const int64_t t = i / per_token, d0 = (i % per_token) * p.reduce_chunk;
     reduce(t, d0, std::min(D_, d0 + p.reduce_chunk));
   }
-}  // global sync 2: the end of the job
+}
 
 }  // namespace hybrid

@@ -36,8 +36,8 @@ class MoELayer {
   int64_t experts() const { return int64_t(w_.size()); }
   int64_t hidden() const { return D_; }
   int64_t intermediate() const { return I_; }
-  // Global synchronisation points of the last call (for the record: they must stay <= 2).
-  int last_global_syncs() const { return 2; }
+  // Global synchronisation points the last call passed (barriers every thread waited at, the job's end).
+  int last_global_syncs() const;
 
  private:
   struct Expert {
