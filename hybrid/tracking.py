@@ -26,6 +26,7 @@ from typing import Any, Mapping, Optional
 
 from hybrid.config.compose import RUNS_DIR
 from hybrid.config.schema import TrackingConfig
+from hybrid.process import stop_group
 
 RUN_ID_ENV = "HYBRID_MLFLOW_RUN_ID"  # log into this existing run (the tuner's trial child runs) instead of a new one
 SLO_METRICS = ("ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s")
@@ -279,40 +280,6 @@ def ui(port: int = 5000, uri: str = "", artifacts: str = "") -> int:
     finally:
         stop_group(proc)
     return 0 if stop["signal"] is not None else (proc.returncode or 0)
-
-
-def stop_group(proc, grace_s: float = 10.0) -> None:
-    """Stop the process group `proc` leads (started with start_new_session=True): SIGTERM to the whole group, wait
-    up to grace_s for every member to go, then SIGKILL whatever is left."""
-    import signal
-    import subprocess
-    import time
-
-    def alive() -> bool:
-        try:
-            os.killpg(proc.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-
-    if proc.poll() is None or alive():
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        try:
-            proc.wait(timeout=0.1)
-        except subprocess.TimeoutExpired:
-            continue
-        if not alive():
-            return
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

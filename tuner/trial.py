@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from hybrid.process import stop_group
+
 # Signs of running out of memory in a trial's stderr (host or GPU), besides a SIGKILL we did not send.
 OOM_MARKERS = ("MemoryError", "out of memory", "OutOfMemoryError", "can't allocate memory",
                "Cannot allocate memory", "std::bad_alloc", "the KV cache for policy.")
@@ -68,9 +70,9 @@ def run(cmd: list[str], env: dict[str, str], timeout_s: float, log_path: Path,
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             killed = True
-            kill_group(proc)
+            stop_group(proc, grace_s=3.0)
         except BaseException:  # Ctrl-C / SIGTERM of the tuner: take the trial down with us
-            kill_group(proc)
+            stop_group(proc, grace_s=3.0)
             raise
         reader.join(timeout=5)
     seconds = time.monotonic() - t0
@@ -87,25 +89,6 @@ def run(cmd: list[str], env: dict[str, str], timeout_s: float, log_path: Path,
     if proc.returncode == 0:
         detail = "exited 0 without records on stdout\n" + detail
     return Outcome("crash", detail=detail, **base)
-
-
-def kill_group(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
-    """SIGTERM to the trial's process group, SIGKILL after grace_s."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-            try:  # the leader is gone: nothing of its group may linger
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    proc.poll()
 
 
 def _read_lines(stream, reports: list) -> None:
