@@ -1,7 +1,10 @@
 """`mode=bench bench=decode`: hybrid decode on the configured model (meant for model=dsv3_slice): per context
 length, TPOT and where the step's time goes per layer (device attention / router / shared experts / dense MLP,
 host staging, CPU MoE, waits), routed-expert bytes read per token against the read roof measured in the same run,
-GPU- and CPU-idle fractions, and a projection to the full 61-layer model (labelled as one).
+GPU- and CPU-idle fractions, and a projection to the full 61-layer model (labelled as one). On a GPU the same
+steps also run under CUDA graphs (`bench.graph_modes`: hostfn, segments) — graph vs eager. Graphed steps cannot be
+split per layer; their records give TPOT, the bound, CPU-idle (the native op's own clock) and the time the stream
+stood still in the CPU hand-off (GPU idle at least that).
 
 The sequences sit at the context length without prefilling it: attention reads every cached position up to the
 current one whatever the values, so a step's cost at context C is that of a real step at C.
@@ -16,6 +19,7 @@ import torch
 
 from hybrid.bench.records import Record
 from hybrid.engine.build import build
+from hybrid.engine.cuda_graphs import GraphedDecode
 from hybrid.engine.profile import StepProfile
 from hybrid.errors import ConfigError
 from hybrid.kernels.membw import calibrate, read_roof
@@ -25,25 +29,45 @@ DEVICE_PARTS = ("attention", "router", "shared_experts", "dense_mlp")
 HOST_PARTS = ("stage", "cpu_moe", "wait", "to_device")
 
 
-def _step(engine, tokens, pos, slots, kv_len: int) -> None:
-    logits = engine.model(tokens, pos, engine.generator.cache, slots, kv_len=kv_len)[:, -1]
-    logits.argmax(-1).tolist()  # the sampler's hand-back: one synchronisation per step
+def _eager(engine):
+    return lambda tokens, pos, slots, kv_len: engine.model(tokens, pos, engine.generator.cache, slots,
+                                                           kv_len=kv_len)[:, -1]
 
 
-def _context(engine, cfg, profile: StepProfile, ctx: int) -> tuple[list[float], dict]:
+def _timed(engine, cfg, ctx: int, step, on_warm=None) -> list[float]:
     dev, b = engine.device, cfg.batch
     slots = torch.arange(b, device=dev)
     tokens = torch.randint(2, engine.model.args.vocab_size, (b, 1), device=dev)
     times = []
-    for i in range(cfg.steps + 2):  # two warm-up steps
-        if i == 2:
-            profile.reset()
+    for i in range(cfg.steps + 2):  # two warm-up steps (graphs are captured in the first)
+        if i == 2 and on_warm:
+            on_warm()
         pos = torch.full((b, 1), ctx - 1 + i, device=dev)
         t0 = time.perf_counter()
-        _step(engine, tokens, pos, slots, ctx + i)
+        step(tokens, pos, slots, ctx + i).argmax(-1).tolist()  # the sampler's hand-back: one sync per step
         if i >= 2:
             times.append(time.perf_counter() - t0)
-    return times, profile.summary()
+    return times
+
+
+def _context(engine, cfg, ctx: int) -> tuple[list[float], dict]:
+    profile = StepProfile(engine.model, engine.device)
+    try:
+        times = _timed(engine, cfg, ctx, _eager(engine), profile.reset)
+        return times, profile.summary()
+    finally:
+        profile.close()  # hooks off: graphs are captured without them
+
+
+def _graphed(engine, cfg, ctx: int, graphs: GraphedDecode) -> tuple[list[float], dict]:
+    jobs0 = {}
+
+    def snapshot():
+        jobs0.update({id(j): (j.cpu_s, j.wait_s + j.submit_s) for j in graphs.jobs()})
+    times = _timed(engine, cfg, ctx, graphs, snapshot)
+    jobs = graphs.jobs()
+    return times, {"cpu_moe": sum(j.cpu_s - jobs0.get(id(j), (0, 0))[0] for j in jobs),
+                   "stalled": sum(j.wait_s + j.submit_s - jobs0.get(id(j), (0, 0))[1] for j in jobs)}
 
 
 def run(settings) -> list[Record]:
@@ -60,19 +84,41 @@ def run(settings) -> list[Record]:
     streams, _ = calibrate(cfg.roof_gb)
     roof = read_roof(cfg.roof_gb, 5, streams)
     print(f"decode on {engine.device}: {n_moe} MoE layers, roof {roof:.1f} GB/s", file=sys.stderr)
-    profile = StepProfile(engine.model, engine.device)
+    modes = ["eager"] + (list(cfg.graph_modes) if engine.device.type == "cuda" else [])
+    graphs = {m: GraphedDecode(engine.model, engine.generator.cache, engine.staging, m, cfg.batch)
+              for m in modes[1:]}
     records = [Record("read_roof", roof, "GB/s", extra={"streams": streams})]
     for ctx in cfg.contexts:
         syncs0 = engine.staging.syncs
-        times, parts = _context(engine, cfg, profile, ctx)
+        times, parts = _context(engine, cfg, ctx)
         records += _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, a.first_k_dense_replace,
                             (engine.staging.syncs - syncs0) / (cfg.steps + 2), s)
-    profile.close()
-    first, last = (next(r for r in records if r.name == "tpot" and r.extra["context"] == c)
-                   for c in (cfg.contexts[0], cfg.contexts[-1]))
-    records.append(Record("tpot_ratio", last.value / first.value, "x",
-                          extra={"from_context": cfg.contexts[0], "to_context": cfg.contexts[-1]}))
+        eager_tpot, experts = statistics.median(times), parts["experts_read"] / len(times)
+        for mode, g in graphs.items():
+            times, parts = _graphed(engine, cfg, ctx, g)
+            records += _graph_records(cfg, ctx, mode, times, parts, experts * expert_bytes, roof, eager_tpot)
+    for mode in modes:
+        tpot = {r.extra["context"]: r.value for r in records if r.name == "tpot" and r.extra["mode"] == mode}
+        first, last = cfg.contexts[0], cfg.contexts[-1]
+        records.append(Record("tpot_ratio", tpot[last] / tpot[first], "x",
+                              extra={"from_context": first, "to_context": last, "mode": mode}))
     return records
+
+
+def _graph_records(cfg, ctx, mode, times, parts, bytes_step, roof, eager_tpot) -> list[Record]:
+    steps, b, tpot = len(times), cfg.batch, statistics.median(times)
+    bound = bytes_step / (roof * 1e9)
+    common = {"context": ctx, "batch": b, "mode": mode}
+    return [
+        Record("tpot", tpot, "s", None, b, extra={**common, "tokens_per_s": b / tpot, "min_s": min(times)}),
+        Record("decode_vs_expert_bound", bound / tpot, "fraction", 1.0, b,
+               extra={**common, "bound_s": bound, "roof_gbs": roof}),
+        Record("graph_speedup", eager_tpot / tpot, "x", extra={**common, "eager_tpot_s": eager_tpot}),
+        Record("cpu_idle_fraction", max(0.0, 1 - parts["cpu_moe"] / steps / tpot), "fraction", extra=common),
+        Record("gpu_stalled_in_handoff_fraction", parts["stalled"] / steps / tpot, "fraction",
+               extra={**common, "note": "the stream stood still in the CPU hand-off: GPU idle is at least this"}),
+        Record("split.cpu_moe", parts["cpu_moe"] / steps * 1e3, "ms/step", extra=common),
+    ]
 
 
 def project(tpot: float, per_step: dict, n_moe: int, n_dense: int) -> float:
@@ -92,7 +138,7 @@ def _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, n_dense, syncs, 
     bytes_step = per_step["experts_read"] * expert_bytes
     bound = bytes_step / (roof * 1e9)
     device_busy = sum(per_step.get(k, 0.0) for k in DEVICE_PARTS)
-    common = {"context": ctx, "batch": b}
+    common = {"context": ctx, "batch": b, "mode": "eager"}
     out = [
         Record("tpot", tpot, "s", None, b, extra={**common, "tokens_per_s": b / tpot, "syncs_per_step": syncs,
                                                   "min_s": min(times)}),

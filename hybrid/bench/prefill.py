@@ -5,6 +5,7 @@ rates measured in this run. SLP moves every expert of every MoE layer once per p
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -13,6 +14,7 @@ import torch
 from hybrid.bench.records import Record
 from hybrid.engine.build import build
 from hybrid.errors import ConfigError
+from hybrid.kernels import fp8_linear
 from hybrid.prefill.slp import streaming
 
 FULL_MOE_LAYERS = 58
@@ -43,7 +45,7 @@ def matmul_rate(m: int = 8192, n: int = 2048, k: int = 7168) -> float:
     return 2 * m * n * k * 20 / (time.perf_counter() - t0) / 1e12
 
 
-def _ttft(engine, n: int, ring_len=None) -> float:
+def _ttft(engine, n: int, ring_len=None, profiler=None) -> float:
     m, dev = engine.model, engine.device
     tokens = torch.randint(2, m.args.vocab_size, (1, n), device=dev)
     pos = torch.arange(n, device=dev)[None]
@@ -56,9 +58,31 @@ def _ttft(engine, n: int, ring_len=None) -> float:
         ctx = streaming(m, dev, ring_len, 1e15)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with ctx:
+    with profiler or contextlib.nullcontext(), ctx:
         m(tokens, pos, engine.generator.cache, slot, last_only=True, kv_len=n).argmax().item()
     return time.perf_counter() - t0
+
+
+def _device_us(row) -> float:
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(row, name):
+            return float(getattr(row, name))
+    return 0.0
+
+
+def profiled(engine, n: int) -> tuple[float, dict, str]:
+    """One stream-loading prefill under torch.profiler: its wall time, the GPU time in kernels and in host-to-device
+    copies (µs summed over streams), and the top of the kernel table."""
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    t = _ttft(engine, n, profiler=prof)
+    rows = [r for r in prof.key_averages() if r.device_type == DeviceType.CUDA]
+    kernels = sum(_device_us(r) for r in rows if not r.key.startswith(("Memcpy", "Memset")))
+    h2d = sum(_device_us(r) for r in rows if r.key.startswith("Memcpy HtoD"))
+    top = sorted(rows, key=_device_us, reverse=True)[:15]
+    table = "\n".join(f"{_device_us(r) / 1e3:10.1f} ms {r.count:7d}x  {r.key[:100]}" for r in top)
+    return t, {"kernels_s": kernels / 1e6, "h2d_s": h2d / 1e6}, table
 
 
 def run(settings) -> list[Record]:
@@ -91,6 +115,26 @@ def run(settings) -> list[Record]:
     for ring in cfg.ring_sweep:
         t = _ttft(engine, longest, ring)
         records.append(Record("slp_ring_sweep", t, "s", None, longest, extra={"ring_len": ring}))
+    chosen = fp8_linear.backend()
+    try:
+        for gemm in fp8_linear.BACKENDS:  # the FP8 math on the streamed experts: FP8 GEMM vs dequantise
+            fp8_linear.set_backend(gemm)
+            t = _ttft(engine, longest)
+            records.append(Record("slp_fp8_gemm", t, "s", None, longest, extra={
+                "backend": gemm, "applies": a.fp8_block is not None and (gemm == "dequant" or fp8_linear.triton
+                                                                          is not None)}))
+    finally:
+        fp8_linear.set_backend(chosen)
+    t, busy, table = profiled(engine, longest)
+    print(f"stream-loading prefill of {longest} tokens under the profiler ({t:.3f} s), top GPU rows:\n{table}",
+          file=sys.stderr)
+    records += [
+        Record("slp_gpu_busy_fraction", busy["kernels_s"] / t, "fraction", None, longest,
+               extra={"kernels_s": busy["kernels_s"], "profiled_ttft_s": t,
+                      "note": "GPU kernel time (all streams) / TTFT, one run under torch.profiler"}),
+        Record("slp_h2d_busy_fraction", busy["h2d_s"] / t, "fraction", None, longest,
+               extra={"h2d_s": busy["h2d_s"], "profiled_ttft_s": t}),
+    ]
     return records
 
 

@@ -97,6 +97,8 @@ class PolicyConfig:
     gpu_experts_per_layer: int = 0  # hot routed experts kept resident on the GPU, per layer
     deferred_experts: int = 0  # experts deferred to overlap the next layer (changes outputs slightly)
     gpu_memory_budget_gb: float = 0.0  # GPU memory the engine may hold; 0 = all free memory less a reserve
+    cuda_graphs: str = "hostfn"  # decode under CUDA graphs: hostfn (one graph, CPU hand-off as host nodes) | segments | off
+    gpu_fp8_gemm: str = "triton"  # FP8 weights on the GPU (streamed experts, gpu_weights=fp8): triton | dequant
     gpu_weights: str = "dense"  # FP8 weights of the GPU side: dense (dequantised once) | fp8 (kept; dequantised per use)
 
     def __post_init__(self) -> None:
@@ -104,6 +106,10 @@ class PolicyConfig:
             raise ValueError(f"policy.ring_len must be a number >= 1 or 'auto', got {self.ring_len!r}")
         if self.gpu_weights not in ("dense", "fp8"):
             raise ValueError(f"policy.gpu_weights must be dense or fp8, got {self.gpu_weights!r}")
+        if self.cuda_graphs not in ("hostfn", "segments", "off"):
+            raise ValueError(f"policy.cuda_graphs must be hostfn, segments or off, got {self.cuda_graphs!r}")
+        if self.gpu_fp8_gemm not in ("triton", "dequant"):
+            raise ValueError(f"policy.gpu_fp8_gemm must be triton or dequant, got {self.gpu_fp8_gemm!r}")
         if self.moe_backend not in ("native", "torch"):
             raise ValueError(f"policy.moe_backend must be native or torch, got {self.moe_backend!r}")
         if self.cpu_kernel not in ("auto", "avx512_bf16", "avx2", "generic"):
@@ -148,6 +154,7 @@ class BenchConfig:
     # decode: TPOT and its per-layer split at these context lengths
     contexts: List[int] = field(default_factory=lambda: [1024, 4096, 16384, 32768])
     steps: int = 8  # decode steps timed per context
+    graph_modes: List[str] = field(default_factory=lambda: ["hostfn", "segments"])  # measured beside eager (GPU)
     # prefill: TTFT by prompt length, stream-loading vs the CPU path, ring-length sweep
     prompt_lengths: List[int] = field(default_factory=lambda: [128, 512, 2048, 8192, 16384])
     ring_sweep: List[int] = field(default_factory=lambda: [2, 8, 32, 128])  # at the longest prompt
@@ -161,6 +168,8 @@ class BenchConfig:
                 raise ValueError(f"bench.{knob} must be >= 1, got {getattr(self, knob)}")
         if self.roof_gb < 0:
             raise ValueError(f"bench.roof_gb must be >= 0, got {self.roof_gb}")
+        if set(self.graph_modes) - {"hostfn", "segments"}:
+            raise ValueError(f"bench.graph_modes takes hostfn and/or segments, got {list(self.graph_modes)}")
 
 
 @dataclass

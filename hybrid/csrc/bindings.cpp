@@ -4,6 +4,7 @@
 
 #include "cpu_features.h"
 #include "gemm_op.h"
+#include "host_job.h"
 #include "membw.h"
 #include "moe.h"
 #include "thread_pool.h"
@@ -30,4 +31,14 @@ PYBIND11_MODULE(_native, m) {
       .def("submit", &MoELayer::submit, nogil())
       .def("wait", &MoELayer::wait, nogil())
       .def_property_readonly("global_syncs", &MoELayer::last_global_syncs);
+  py::class_<HostJob>(m, "HostJob")
+      .def(py::init<MoELayer*, View, View, View, View, std::string>(), py::keep_alive<1, 2>())
+      .def_property_readonly("address", [](HostJob& j) { return reinterpret_cast<uintptr_t>(&j); })
+      .def_readwrite("error", &HostJob::error)
+      .def_readwrite("calls", &HostJob::calls)
+      .def_readwrite("submit_s", &HostJob::submit_s)
+      .def_readwrite("cpu_s", &HostJob::cpu_s)
+      .def_readwrite("wait_s", &HostJob::wait_s);
+  m.attr("host_submit_fn") = reinterpret_cast<uintptr_t>(&hybrid_host_submit);
+  m.attr("host_wait_fn") = reinterpret_cast<uintptr_t>(&hybrid_host_wait);
 }

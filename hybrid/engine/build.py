@@ -9,10 +9,12 @@ import torch
 
 from hybrid import models
 from hybrid.config.schema import HwConfig, HybridConfig
+from hybrid.engine.cuda_graphs import GraphedDecode
 from hybrid.engine.generate import Generator
 from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, pin_experts, place
 from hybrid.engine.staging import Staging
 from hybrid.errors import ConfigError
+from hybrid.kernels import fp8_linear
 from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
 from hybrid.prefill.ring import auto_ring_len, layout
@@ -66,6 +68,7 @@ def check_kv_cache(s: HybridConfig, model: Transformer, device: torch.device) ->
 
 def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
     device = compute_device(hw)
+    fp8_linear.set_backend(s.policy.gpu_fp8_gemm)
     model, tok = models.load(s.model, progress)
     a = model.args
     staging = Staging(a.hidden_size, a.num_experts_per_tok, pin=device.type == "cuda")
@@ -84,7 +87,22 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
         chunk = s.policy.slp_chunk_tokens or auto_chunk(model.args, kv_budget_bytes(s, device), slot_bytes(model))
     gen = Generator(model, s.policy.max_batch, s.policy.max_context, a.eos_token_id, device, long_prefill,
                     s.policy.slp_cutoff_tokens, chunk)
+    if graphs_apply(s, device):
+        gen.decode_step = GraphedDecode(model, gen.cache, staging, s.policy.cuda_graphs, s.policy.max_batch)
     return Engine(model, tok, gen, device, staging, weight_bytes)
+
+
+def graphs_apply(s: HybridConfig, device: torch.device) -> bool:
+    """CUDA graphs need a GPU and every MoE layer's experts on the native op without deferral (whose Python-side
+    bookkeeping runs between layers); otherwise decode stays eager."""
+    p = s.policy
+    if p.cuda_graphs == "off" or device.type != "cuda":
+        return False
+    if p.moe_backend != "native" or p.deferred_experts:
+        print("note: decode runs eagerly (policy.cuda_graphs needs policy.moe_backend=native and "
+              "policy.deferred_experts=0)", file=sys.stderr)
+        return False
+    return True
 
 
 def slot_bytes(model: Transformer) -> int:

@@ -50,6 +50,7 @@ class Generator:
         self.long_prefill, self.cutoff, self.chunk = long_prefill, cutoff, chunk
         self.max_context = max_context
         self.cache = model.new_cache(max_batch, max_context, self.device)
+        self.decode_step: Optional[Callable] = None  # (tokens, pos, slots, kv_len) -> logits, e.g. CUDA graphs
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
                  on_token: Optional[Callable[[int, int], None]] = None) -> Result:
@@ -113,5 +114,7 @@ class Generator:
     def _decode(self, res: Result, live: list[int]) -> torch.Tensor:
         tokens = self._tensor([[res.output_ids[i][-1]] for i in live])
         positions = [len(res.prompt_ids[i]) + len(res.output_ids[i]) - 1 for i in live]
-        pos = self._tensor([[p] for p in positions])
-        return self.model(tokens, pos, self.cache, self._tensor(live), kv_len=max(positions) + 1)[:, -1]
+        pos, slots, kv_len = self._tensor([[p] for p in positions]), self._tensor(live), max(positions) + 1
+        if self.decode_step is not None:
+            return self.decode_step(tokens, pos, slots, kv_len)
+        return self.model(tokens, pos, self.cache, slots, kv_len=kv_len)[:, -1]

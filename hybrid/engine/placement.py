@@ -53,6 +53,11 @@ class CpuExperts(nn.Module):
         self.op = _cpu_op(self.host_experts, self.kernel)
 
     def start(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
+        capture = self.staging.capture
+        if capture is not None:  # being recorded into a CUDA graph: no synchronisation, the graph hands off
+            x_h, w_h, ids_h = self.staging.to_host(x_TD, weights_TK, ids_TK, sync=False)
+            out_h = self.staging.out(x_h.shape[0], fixed=True)
+            return _Captured(self, capture.handoff_start(self.op, x_h, ids_h, w_h, out_h), out_h, x_TD)
         t0 = time.perf_counter()
         x_h, w_h, ids_h = self.staging.to_host(x_TD, weights_TK, ids_TK)
         if self.timings is not None:
@@ -81,6 +86,14 @@ class _Pending:
         record_wait(self.layer, t0, t1)
         return out
 
+
+class _Captured:
+    def __init__(self, layer: CpuExperts, handoff, out_h: torch.Tensor, like: torch.Tensor):
+        self.layer, self.handoff, self.out_h, self.like = layer, handoff, out_h, like
+
+    def result(self) -> torch.Tensor:
+        self.layer.staging.capture.handoff_end(self.handoff)
+        return self.layer.staging.to_device(self.out_h, self.like)
 
 
 def experts_to_cpu_kernels(model: nn.Module, kernel: str = "auto", staging: Optional[Staging] = None,

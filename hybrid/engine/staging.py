@@ -29,47 +29,69 @@ def record_wait(layer, waited_from: float, done: float) -> None:
         t["to_device"] += time.perf_counter() - done
 
 
+class _Buffers:
+    def __init__(self, rows: int, hidden: int, top_k: int, pin: bool):
+        new = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, pin_memory=pin)  # noqa: E731
+        self.rows = rows
+        self.x = new(rows, hidden, dtype=torch.bfloat16)
+        self.w = new(rows, top_k, dtype=torch.float32)
+        self.ids = new(rows, top_k, dtype=torch.int64)
+        self.out = new(rows, hidden, dtype=torch.float32)
+
+
 class Staging:
     def __init__(self, hidden: int, top_k: int, pin: bool = False, stage_on_cpu: bool = False):
         self.hidden, self.top_k, self.pin, self.stage_on_cpu = hidden, top_k, pin, stage_on_cpu
         self.syncs = 0
-        self._rows = 0
-        self._x = self._w = self._ids = self._out = None
+        self._bufs: Optional[_Buffers] = None  # eager calls: grown on demand
+        self._fixed: Optional[_Buffers] = None  # CUDA graphs: allocated once, never moved (graphs hold addresses)
+        self.capture = None  # set while a CUDA graph is captured (hybrid/engine/cuda_graphs.py)
 
-    def _grow(self, rows: int) -> None:
-        if rows <= self._rows:
-            return
-        rows = max(rows, 2 * self._rows)
-        new = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, pin_memory=self.pin)  # noqa: E731
-        self._x = new(rows, self.hidden, dtype=torch.bfloat16)
-        self._w = new(rows, self.top_k, dtype=torch.float32)
-        self._ids = new(rows, self.top_k, dtype=torch.int64)
-        self._out = new(rows, self.hidden, dtype=torch.float32)
-        self._rows = rows
+    def reserve(self, rows: int) -> None:
+        """The fixed buffers CUDA graphs copy into, for up to `rows` tokens (allocate before capturing)."""
+        if self._fixed is None or self._fixed.rows < rows:
+            if self._fixed is not None:
+                raise RuntimeError("staging for CUDA graphs is already allocated and must not move")
+            self._fixed = _Buffers(rows, self.hidden, self.top_k, self.pin)
 
-    def to_host(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
+    def _buffers(self, rows: int, fixed: bool) -> _Buffers:
+        if fixed:
+            if self._fixed is None or rows > self._fixed.rows:
+                raise RuntimeError(f"{rows} rows asked while capturing a CUDA graph: Staging.reserve() them first")
+            return self._fixed
+        if self._bufs is None or rows > self._bufs.rows:
+            self._bufs = _Buffers(max(rows, 2 * (self._bufs.rows if self._bufs else 0)), self.hidden, self.top_k,
+                                  self.pin)
+        return self._bufs
+
+    def to_host(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor, sync: bool = True):
+        """Copies into the staging buffers; with `sync` (the eager path) waits for them, once per layer; without,
+        into the fixed buffers, for a graph being captured."""
         if x_TD.device.type == "cpu" and not self.stage_on_cpu:
             return x_TD.to(torch.bfloat16).contiguous(), weights_TK.float().contiguous(), ids_TK.contiguous()
         t, k = ids_TK.shape
-        self._grow(t)
-        x_h, w_h, ids_h = self._x[:t], self._w[:t, :k], self._ids[:t, :k]
+        b = self._buffers(t, fixed=not sync)
+        x_h, w_h, ids_h = b.x[:t], b.w[:t, :k], b.ids[:t, :k]
         blocking = x_TD.device.type == "cpu"
         x_h.copy_(x_TD, non_blocking=not blocking)
         w_h.copy_(weights_TK, non_blocking=not blocking)
         ids_h.copy_(ids_TK, non_blocking=not blocking)
-        if not blocking:
+        if not blocking and sync:
             torch.cuda.current_stream(x_TD.device).synchronize()
-        self.syncs += 1
+        self.syncs += sync
         return x_h, w_h, ids_h
 
-    def out(self, rows: int) -> torch.Tensor:
-        if self._out is None:  # unstaged CPU path
+    def out(self, rows: int, fixed: bool = False) -> torch.Tensor:
+        if fixed:
+            return self._buffers(rows, fixed=True).out[:rows]
+        if self._bufs is None or rows > self._bufs.rows:  # unstaged CPU path
             return torch.empty(rows, self.hidden, dtype=torch.float32)
-        return self._out[:rows] if rows <= self._rows else torch.empty(rows, self.hidden)
+        return self._bufs.out[:rows]
 
     def to_device(self, out_h: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         if like.device.type == "cpu":
-            return out_h.to(like.dtype, copy=self._out is not None and out_h.data_ptr() == self._out.data_ptr())
+            staged = any(b is not None and out_h.data_ptr() == b.out.data_ptr() for b in (self._bufs, self._fixed))
+            return out_h.to(like.dtype, copy=staged)
         return out_h.to(like.device, non_blocking=True).to(like.dtype)
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid.kernels.fp8_linear import fp8_linear
 from hybrid.weights import fp8
 
 
@@ -43,7 +44,9 @@ class Linear(nn.Module):
         return fp8.dequantize(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense_weight(x.dtype))
+        if self.block is None:
+            return F.linear(x, self.weight.to(x.dtype))
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.block)
 
 
 class MLP(nn.Module):

@@ -26,7 +26,7 @@ from hybrid.engine.placement import CpuExperts
 from hybrid.model.moe import Done, MoE
 from hybrid.prefill.events import PairedEvent
 from hybrid.prefill.ring import Ring, layout
-from hybrid.weights import fp8
+from hybrid.kernels.fp8_linear import fp8_linear
 
 PROJ = ("gate_proj", "up_proj", "down_proj")
 
@@ -105,11 +105,12 @@ class Pipeline:
         off.record()
         self.done.put((slot, off, tag))
 
-    def weight(self, slot: int, proj: str, dtype: torch.dtype) -> torch.Tensor:
+    def linear(self, slot: int, proj: str, x: torch.Tensor) -> torch.Tensor:
+        """x through the projection `proj` of the expert in `slot` (FP8: hybrid/kernels/fp8_linear.py)."""
         w = self.ring.view(slot, f"{proj}.weight")
         if self.block is None:
-            return w.to(dtype)
-        return fp8.dequantize(w, self.ring.view(slot, f"{proj}.weight_scale_inv"), self.block, dtype)
+            return F.linear(x, w.to(x.dtype))
+        return fp8_linear(x, w, self.ring.view(slot, f"{proj}.weight_scale_inv"), self.block)
 
     def __enter__(self) -> "Pipeline":
         for t in self.threads:
@@ -144,9 +145,9 @@ class StreamedExperts(nn.Module):
             if n:
                 sel = order_d[start:start + n]
                 tok = sel // k
-                h = F.silu(F.linear(x_TD[tok], p.weight(slot, "gate_proj", x_TD.dtype)))
-                h = h * F.linear(x_TD[tok], p.weight(slot, "up_proj", x_TD.dtype))
-                y = F.linear(h, p.weight(slot, "down_proj", x_TD.dtype)).float()
+                x_tok = x_TD[tok]
+                h = F.silu(p.linear(slot, "gate_proj", x_tok)) * p.linear(slot, "up_proj", x_tok)
+                y = p.linear(slot, "down_proj", h).float()
                 out_TD.index_add_(0, tok, y * weights_TK.flatten()[sel, None].float())
             p.give_back(slot, (self.layer, e))
             start += n

@@ -1,0 +1,80 @@
+"""FP8 block-scaled linear on the GPU: y = x · (q ⊙ s)ᵀ, q [N, K] FP8 E4M3 with one scale per 128×128 block.
+
+Two ways, chosen by `policy.gpu_fp8_gemm` (set_backend):
+- `triton`: a Triton GEMM that reads the FP8 weights directly, converts each tile to BF16 in registers, multiplies
+  on the tensor cores with FP32 accumulation and applies the block's scale once per 128-wide K block (post-scaling,
+  as the CPU kernels do). Nothing is written besides y.
+- `dequant`: expand the weights to the activation dtype (q·s, a full-size temporary), then torch's matmul.
+Activations stay BF16 either way (no activation quantisation). The Triton path needs CUDA, Triton, BF16
+activations and 128×128 blocks; anything else takes `dequant`, which also serves the CPU.
+
+Legend: M rows of x (tokens), N output features, K input features.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybrid.weights import fp8
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+BACKENDS = ("triton", "dequant")
+_backend = "triton"
+
+
+def set_backend(name: str) -> None:
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"policy.gpu_fp8_gemm must be one of {BACKENDS}, got {name!r}")
+    _backend = name
+
+
+def backend() -> str:
+    return _backend
+
+
+def triton_applies(x: torch.Tensor, block) -> bool:
+    return (_backend == "triton" and triton is not None and x.is_cuda and x.dtype == torch.bfloat16
+            and tuple(block) == (128, 128))
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    if not triton_applies(x, block):
+        return F.linear(x, fp8.dequantize(q, scale, block, x.dtype))
+    n, k = q.shape
+    x_MK = x.reshape(-1, k)
+    if x_MK.stride(-1) != 1:
+        x_MK = x_MK.contiguous()
+    m = x_MK.shape[0]
+    y_MN = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        bm = 16 if m <= 16 else 64 if m <= 256 else 128
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, 128))
+        _fp8_block_mm[grid](x_MK, q, scale, y_MN, m, n, k, x_MK.stride(0), q.stride(0), scale.stride(0),
+                            y_MN.stride(0), BM=bm, BN=128, BK=128, num_warps=4 if bm <= 64 else 8, num_stages=3)
+    return y_MN.view(*x.shape[:-1], n)
+
+
+if triton is not None:
+    @triton.jit
+    def _fp8_block_mm(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, sxm, sqn, ssn, sym,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BK)):
+            kk = kb * BK + rk
+            a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                        other=0.0)
+            b = tl.load(q_ptr + rn[None, :] * sqn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K),
+                        other=0.0)
+            s = tl.load(s_ptr + (rn // 128) * ssn + kb, mask=rn < N, other=0.0)
+            acc += tl.dot(a, b.to(tl.bfloat16)) * s[None, :]
+        tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))

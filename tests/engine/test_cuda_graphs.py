@@ -1,0 +1,108 @@
+"""CUDA-graph decode: the bucket rule, the capture-mode hand-off and the native host functions run on the CPU; the
+graphs themselves on a GPU (skipped without CUDA)."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from hybrid import _native
+from hybrid.config.compose import compose, to_settings
+from hybrid.engine.build import build
+from hybrid.engine.cuda_graphs import MIN_BUCKET, kv_bucket
+from hybrid.engine.placement import experts_to_cpu_kernels
+from hybrid.engine.staging import Staging
+from hybrid.model.moe import MoE
+from hybrid.weights.checkpoint import Checkpoint
+from hybrid.weights.loader import load_model
+
+_call = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+SUBMIT, WAIT = _call(_native.host_submit_fn), _call(_native.host_wait_fn)
+
+
+def test_kv_bucket_is_the_next_power_of_two_within_the_cache():
+    assert kv_bucket(1, 4096) == MIN_BUCKET
+    assert kv_bucket(MIN_BUCKET + 1, 4096) == 2 * MIN_BUCKET
+    assert kv_bucket(1024, 4096) == 1024 and kv_bucket(1025, 4096) == 2048
+    assert kv_bucket(3000, 3000) == 3000  # capped at the cache
+    for bad in (0, 4097):
+        with pytest.raises(ValueError, match="policy.max_context"):
+            kv_bucket(bad, 4096)
+
+
+class _RecordingCapture:
+    """Stands in for a graph capture on the CPU: records the hand-off calls, runs the native host functions when
+    the graph would (submit at the start, wait at the end)."""
+
+    def __init__(self):
+        self.calls, self.jobs = [], []
+
+    def handoff_start(self, op, x_h, ids_h, w_h, out_h):
+        job = op.host_job(x_h, ids_h, w_h, out_h)
+        self.jobs.append(job)
+        self.calls.append(("start", x_h.data_ptr(), out_h.data_ptr()))
+        SUBMIT(job.address)
+        return job
+
+    def handoff_end(self, job):
+        self.calls.append(("end", job.address))
+        WAIT(job.address)
+
+
+def test_capture_mode_hands_off_through_fixed_buffers_without_synchronising(tiny_dir):
+    m = load_model(Checkpoint(tiny_dir), torch.float32, progress=False)
+    staging = Staging(256, 4, stage_on_cpu=True)
+    experts_to_cpu_kernels(m, staging=staging)
+    moe = next(x for x in m.modules() if isinstance(x, MoE))
+    x = torch.randn(3, 256)
+    w, ids = moe.gate(x)
+    want = moe.experts(x, w, ids)
+    syncs = staging.syncs
+    staging.reserve(4)
+    staging.capture = cap = _RecordingCapture()
+    try:
+        got = moe.experts(x, w, ids)
+        with pytest.raises(RuntimeError, match="reserve"):
+            moe.experts(torch.randn(5, 256), *moe.gate(torch.randn(5, 256)))
+    finally:
+        staging.capture = None
+    assert torch.equal(got, want)
+    assert staging.syncs == syncs, "a captured hand-off must not synchronise"
+    assert [c[0] for c in cap.calls[:2]] == ["start", "end"]
+    first = cap.calls[0]
+    assert first[1] == staging.to_host(x, w, ids, sync=False)[0].data_ptr()  # the fixed buffers, every time
+    assert cap.jobs[0].calls == 1 and cap.jobs[0].cpu_s > 0 and not cap.jobs[0].error
+
+
+def test_host_job_reports_a_bad_call_instead_of_crashing(tiny_dir):
+    m = load_model(Checkpoint(tiny_dir), torch.float32, progress=False)
+    experts_to_cpu_kernels(m)
+    op = next(x for x in m.modules() if isinstance(x, MoE)).experts.op
+    x, w = torch.randn(2, 256).bfloat16(), torch.rand(2, 4)
+    ids, out = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 999]]), torch.empty(2, 256)
+    job = op.host_job(x, ids, w, out)
+    SUBMIT(job.address)
+    WAIT(job.address)
+    assert "999 out of range" in job.error
+    with pytest.raises(ValueError, match="contiguous"):
+        op.host_job(x.float(), ids, w, out)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["hostfn", "segments"])
+def test_graphed_decode_matches_eager(mode):
+    outputs = []
+    for graphs in ("off", mode):
+        s = to_settings(compose(["+hw=h200_xeon16", "policy.adapt_to_hardware=true", "model.dtype=float32",
+                                 f"policy.cuda_graphs={graphs}", "policy.max_batch=2", "policy.batch_cap=2"]))
+        engine = build(s, s.hw, progress=False)
+        assert (engine.generator.decode_step is None) == (graphs == "off")
+        prompts = [list(range(2, 40)), list(range(50, 61))]  # two sequences, then one after the other ends
+        out = engine.generator.generate(prompts, 300).output_ids  # crosses KV buckets 256 -> 512 unless EOS
+        outputs.append(out)
+        if graphs != "off":
+            last_kv = max(len(p) + len(o) for p, o in zip(prompts, out)) - 1  # the last token fed back
+            buckets = {k[1] for k in engine.generator.decode_step.graphs}
+            assert min(buckets) == MIN_BUCKET and max(buckets) == kv_bucket(last_kv, s.policy.max_context)
+    assert outputs[0] == outputs[1]
