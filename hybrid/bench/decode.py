@@ -3,8 +3,8 @@ length, TPOT and where the step's time goes per layer (device attention / router
 host staging, CPU MoE, waits), routed-expert bytes read per token against the read roof measured in the same run,
 GPU- and CPU-idle fractions, and a projection to the full 61-layer model (labelled as one). On a GPU the same
 steps also run under CUDA graphs (`bench.graph_modes`: hostfn, segments) — graph vs eager. Graphed steps cannot be
-split per layer; their records give TPOT, the bound, CPU-idle (the native op's own clock) and the time the stream
-stood still in the CPU hand-off (GPU idle at least that).
+split per layer; their records give TPOT, the bound, CPU-idle (the native op's own clock) and GPU-idle (kernel time
+from torch.profiler over a few more steps).
 
 The sequences sit at the context length without prefilling it: attention reads every cached position up to the
 current one whatever the values, so a step's cost at context C is that of a real step at C.
@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from hybrid.bench.gpu_profile import gpu_times
 from hybrid.bench.records import Record
 from hybrid.engine.build import build
 from hybrid.engine.cuda_graphs import GraphedDecode
@@ -34,12 +35,12 @@ def _eager(engine):
                                                            kv_len=kv_len)[:, -1]
 
 
-def _timed(engine, cfg, ctx: int, step, on_warm=None) -> list[float]:
+def _timed(engine, cfg, ctx: int, step, on_warm=None, steps: int = 0) -> list[float]:
     dev, b = engine.device, cfg.batch
     slots = torch.arange(b, device=dev)
     tokens = torch.randint(2, engine.model.args.vocab_size, (b, 1), device=dev)
     times = []
-    for i in range(cfg.steps + 2):  # two warm-up steps (graphs are captured in the first)
+    for i in range(steps or cfg.steps + 2):  # two warm-up steps (graphs are captured in the first)
         if i == 2 and on_warm:
             on_warm()
         pos = torch.full((b, 1), ctx - 1 + i, device=dev)
@@ -63,17 +64,20 @@ def _graphed(engine, cfg, ctx: int, graphs: GraphedDecode) -> tuple[list[float],
     jobs0 = {}
 
     def snapshot():
-        jobs0.update({id(j): (j.cpu_s, j.wait_s + j.submit_s) for j in graphs.jobs()})
+        jobs0.update({id(j): j.cpu_s for j in graphs.jobs()})
     times = _timed(engine, cfg, ctx, graphs, snapshot)
     jobs = graphs.jobs()
-    return times, {"cpu_moe": sum(j.cpu_s - jobs0.get(id(j), (0, 0))[0] for j in jobs),
-                   "stalled": sum(j.wait_s + j.submit_s - jobs0.get(id(j), (0, 0))[1] for j in jobs)}
+    parts = {"cpu_moe": sum(j.cpu_s - jobs0.get(id(j), 0.0) for j in jobs)}
+    if engine.device.type == "cuda":  # GPU busy from the profiler's kernel records over a few more steps
+        wall, busy, _ = gpu_times(lambda: _timed(engine, cfg, ctx + cfg.steps + 2, graphs, steps=3))
+        parts["gpu_busy"] = busy["kernels_s"] / wall
+    return times, parts
 
 
 def run(settings) -> list[Record]:
     s, cfg = settings, settings.bench
-    if max(cfg.contexts) + cfg.steps + 2 > s.policy.max_context:
-        raise ConfigError(f"bench.contexts reach {max(cfg.contexts)} (+{cfg.steps + 2} steps) but the KV cache "
+    if max(cfg.contexts) + cfg.steps + 5 > s.policy.max_context:  # + warm-up and profiled steps
+        raise ConfigError(f"bench.contexts reach {max(cfg.contexts)} (+{cfg.steps + 5} steps) but the KV cache "
                           f"holds policy.max_context={s.policy.max_context}: raise policy.max_context")
     if cfg.batch > s.policy.max_batch:
         raise ConfigError(f"bench.batch={cfg.batch} exceeds policy.max_batch={s.policy.max_batch}")
@@ -115,8 +119,9 @@ def _graph_records(cfg, ctx, mode, times, parts, bytes_step, roof, eager_tpot) -
                extra={**common, "bound_s": bound, "roof_gbs": roof}),
         Record("graph_speedup", eager_tpot / tpot, "x", extra={**common, "eager_tpot_s": eager_tpot}),
         Record("cpu_idle_fraction", max(0.0, 1 - parts["cpu_moe"] / steps / tpot), "fraction", extra=common),
-        Record("gpu_stalled_in_handoff_fraction", parts["stalled"] / steps / tpot, "fraction",
-               extra={**common, "note": "the stream stood still in the CPU hand-off: GPU idle is at least this"}),
+        *([Record("gpu_idle_fraction", 1 - parts["gpu_busy"], "fraction",
+                  extra={**common, "note": "1 - GPU kernel time / wall time over 3 steps under torch.profiler"})]
+          if "gpu_busy" in parts else []),
         Record("split.cpu_moe", parts["cpu_moe"] / steps * 1e3, "ms/step", extra=common),
     ]
 

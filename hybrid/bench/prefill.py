@@ -5,12 +5,12 @@ rates measured in this run. SLP moves every expert of every MoE layer once per p
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 
 import torch
 
+from hybrid.bench.gpu_profile import gpu_times
 from hybrid.bench.records import Record
 from hybrid.engine.build import build
 from hybrid.errors import ConfigError
@@ -45,7 +45,7 @@ def matmul_rate(m: int = 8192, n: int = 2048, k: int = 7168) -> float:
     return 2 * m * n * k * 20 / (time.perf_counter() - t0) / 1e12
 
 
-def _ttft(engine, n: int, ring_len=None, profiler=None) -> float:
+def _ttft(engine, n: int, ring_len=None) -> float:
     m, dev = engine.model, engine.device
     tokens = torch.randint(2, m.args.vocab_size, (1, n), device=dev)
     pos = torch.arange(n, device=dev)[None]
@@ -58,31 +58,9 @@ def _ttft(engine, n: int, ring_len=None, profiler=None) -> float:
         ctx = streaming(m, dev, ring_len, 1e15)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with profiler or contextlib.nullcontext(), ctx:
+    with ctx:
         m(tokens, pos, engine.generator.cache, slot, last_only=True, kv_len=n).argmax().item()
     return time.perf_counter() - t0
-
-
-def _device_us(row) -> float:
-    for name in ("self_device_time_total", "self_cuda_time_total"):
-        if hasattr(row, name):
-            return float(getattr(row, name))
-    return 0.0
-
-
-def profiled(engine, n: int) -> tuple[float, dict, str]:
-    """One stream-loading prefill under torch.profiler: its wall time, the GPU time in kernels and in host-to-device
-    copies (µs summed over streams), and the top of the kernel table."""
-    from torch.profiler import DeviceType, ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    t = _ttft(engine, n, profiler=prof)
-    rows = [r for r in prof.key_averages() if r.device_type == DeviceType.CUDA]
-    kernels = sum(_device_us(r) for r in rows if not r.key.startswith(("Memcpy", "Memset")))
-    h2d = sum(_device_us(r) for r in rows if r.key.startswith("Memcpy HtoD"))
-    top = sorted(rows, key=_device_us, reverse=True)[:15]
-    table = "\n".join(f"{_device_us(r) / 1e3:10.1f} ms {r.count:7d}x  {r.key[:100]}" for r in top)
-    return t, {"kernels_s": kernels / 1e6, "h2d_s": h2d / 1e6}, table
 
 
 def run(settings) -> list[Record]:
@@ -125,7 +103,7 @@ def run(settings) -> list[Record]:
                                                                           is not None)}))
     finally:
         fp8_linear.set_backend(chosen)
-    t, busy, table = profiled(engine, longest)
+    t, busy, table = gpu_times(lambda: _ttft(engine, longest))
     print(f"stream-loading prefill of {longest} tokens under the profiler ({t:.3f} s), top GPU rows:\n{table}",
           file=sys.stderr)
     records += [

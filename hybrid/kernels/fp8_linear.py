@@ -60,8 +60,21 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block) -> 
     return y_MN.view(*x.shape[:-1], n)
 
 
+def warm_up(shapes, device) -> None:
+    """Compile the kernel's variants (one per row-tile size) for these weight shapes [N, K] now, so that a first
+    prefill does not pay Triton's compilation (seconds) in its time to first token."""
+    if triton is None or _backend != "triton" or torch.device(device).type != "cuda":
+        return
+    for n, k in shapes:
+        q = torch.zeros(n, k, dtype=fp8.FP8, device=device)
+        s = torch.ones(-(-n // 128), -(-k // 128), dtype=torch.float32, device=device)
+        for m in (1, 64, 512):
+            fp8_linear(torch.zeros(m, k, dtype=torch.bfloat16, device=device), q, s, (128, 128))
+    torch.cuda.synchronize(device)
+
+
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])
     def _fp8_block_mm(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, sxm, sqn, ssn, sym,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         rm = tl.program_id(0) * BM + tl.arange(0, BM)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import threading
 from typing import Iterator, Optional
 
@@ -29,6 +30,9 @@ from hybrid.prefill.ring import Ring, layout
 from hybrid.kernels.fp8_linear import fp8_linear
 
 PROJ = ("gate_proj", "up_proj", "down_proj")
+# The loader and unloader need the GIL for a moment per expert while the model thread launches kernels; at
+# Python's default 5 ms switch interval a hand-off can wait longer than an expert's copy takes (~0.8 ms).
+SWITCH_INTERVAL_S = 2e-4
 
 
 def expert_tensors(expert: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -134,10 +138,11 @@ class StreamedExperts(nn.Module):
 
     def start(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> Done:
         p, k = self.pipeline, ids_TK.shape[1]
-        flat = ids_TK.flatten().cpu()  # one device->host read per layer: which tokens each expert gets
-        order = flat.argsort(stable=True)
+        # Grouping by expert stays on the device; one device->host read per layer (the counts). No host->device
+        # copy here: it would queue behind the loader's expert copies on the copy engine (tens of ms, deep rings).
+        flat = ids_TK.flatten()
+        order_d = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=p.n_experts).tolist()
-        order_d = order.to(x_TD.device)
         out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
         start = 0
         for e, n in enumerate(counts):
@@ -165,11 +170,16 @@ def streaming(model: nn.Module, device: torch.device, ring_len: int, budget_byte
     if not moes:
         raise ValueError("stream-loading prefill needs the routed experts placed on the CPU kernels")
     saved = [m.experts for m in moes]
-    with Pipeline(saved, device, ring_len, budget_bytes) as pipe:
-        try:
-            for i, m in enumerate(moes):
-                m.experts = StreamedExperts(pipe, i)
-            yield pipe
-        finally:
-            for m, experts in zip(moes, saved):
-                m.experts = experts
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    try:
+        with Pipeline(saved, device, ring_len, budget_bytes) as pipe:
+            try:
+                for i, m in enumerate(moes):
+                    m.experts = StreamedExperts(pipe, i)
+                yield pipe
+            finally:
+                for m, experts in zip(moes, saved):
+                    m.experts = experts
+    finally:
+        sys.setswitchinterval(switch)

@@ -9,7 +9,7 @@ import torch
 from hybrid.engine.generate import Generator
 from hybrid.engine.placement import experts_to_cpu_kernels
 from hybrid.errors import ConfigError
-from hybrid.prefill.ring import auto_ring_len, overwritten_before_off
+from hybrid.prefill.ring import DEEP_RING, auto_ring_len, overwritten_before_off
 from hybrid.prefill.slp import Pipeline, StreamedExperts, streaming
 from hybrid.weights.checkpoint import Checkpoint
 from hybrid.weights.loader import load_model
@@ -102,11 +102,11 @@ def test_generator_uses_slp_above_the_cutoff_and_writes_the_kv_cache(tiny_dir):
 
 def test_auto_ring_len_is_deep_for_short_prompts_and_ping_pong_for_long():
     slot = 44 * 10**6
-    assert auto_ring_len(2_000, 256, slot, 100e9) == 32
+    assert auto_ring_len(2_000, 256, slot, 100e9) == DEEP_RING
     assert auto_ring_len(2_000, 16, slot, 100e9) == 16  # never more than a layer's experts
-    assert auto_ring_len(60_000, 256, slot, 100e9) == 2
-    mid = auto_ring_len(20_000, 256, slot, 100e9)
-    assert 2 < mid < 32
+    assert auto_ring_len(70_000, 256, slot, 100e9) == 2
+    mid = auto_ring_len(30_000, 256, slot, 100e9)
+    assert 2 < mid < DEEP_RING
     assert auto_ring_len(2_000, 256, slot, 10 * slot) == 10  # capped by the budget
 
 
