@@ -11,14 +11,14 @@ from hybrid import models
 from hybrid.config.schema import HwConfig, HybridConfig
 from hybrid.engine.cuda_graphs import GraphedDecode
 from hybrid.engine.generate import Generator
-from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, pin_experts, place
+from hybrid.engine.placement import cpu_experts, expert_tensors, experts_to_cpu_kernels, pin_experts, place
 from hybrid.engine.staging import Staging
 from hybrid.errors import ConfigError
 from hybrid.kernels import fp8_linear
 from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
 from hybrid.prefill.ring import auto_ring_len, layout
-from hybrid.prefill.slp import expert_tensors, streaming
+from hybrid.prefill.slp import streaming
 from hybrid.tokenizer import Tokenizer
 
 GPU_RESERVE = 2e9  # bytes left free on the GPU for activations and the allocator's slack
@@ -138,5 +138,6 @@ def auto_chunk(a, budget_bytes: float, slot: int) -> int:
 
 def activation_bytes(a, tokens: int) -> float:
     """A generous estimate of one MoE layer's prefill activations: hidden states, routing, one expert's
-    intermediate, attention scores per head chunk."""
-    return tokens * (8 * a.hidden_size + 6 * a.moe_intermediate_size + 4 * a.num_experts_per_tok * 3) * 4
+    intermediate, attention scores per head chunk, and the layer's rows grouped by expert (in and out, BF16)."""
+    grouped = 2 * a.num_experts_per_tok * a.hidden_size * 2
+    return tokens * ((8 * a.hidden_size + 6 * a.moe_intermediate_size + 4 * a.num_experts_per_tok * 3) * 4 + grouped)

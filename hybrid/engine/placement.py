@@ -23,6 +23,7 @@ from hybrid.kernels.moe import CpuMoE
 from hybrid.model.layers import Linear
 from hybrid.model.moe import MoE, RoutedExperts
 from hybrid.engine.staging import Deferral, Staging, record_wait
+from hybrid.prefill.ring import layout
 
 PROJ = ("gate_proj", "up_proj", "down_proj")
 
@@ -47,6 +48,8 @@ class CpuExperts(nn.Module):
         self.op = _cpu_op(experts, kernel)
         self.timings: Optional[dict] = None  # set by a profiler: seconds of stage / cpu_moe / wait / to_device
         self.experts_read = 0
+        self.arena: Optional[torch.Tensor] = None  # pin_experts: every expert's weights, slot_bytes apart
+        self.slot_bytes = 0
 
     def rebuild(self) -> None:
         """After the expert weights moved (pinning), point the native op at them."""
@@ -125,21 +128,35 @@ def place(model: nn.Module, device: torch.device, gpu_weights: str = "dense") ->
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
 
-def pin_experts(model: nn.Module) -> int:
-    """Copies each layer's routed-expert weights into one pinned arena; returns the bytes pinned."""
+def expert_tensors(expert: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """One expert's tensors in slot order: gate and up weights side by side (one GEMM can read them as one [2I, D]
+    matrix), then their scales, then down's weight and scale."""
+    names = ["gate_proj.weight", "up_proj.weight", "gate_proj.weight_scale_inv", "up_proj.weight_scale_inv",
+             "down_proj.weight", "down_proj.weight_scale_inv"]
+    out = []
+    for name in names:
+        proj, attr = name.split(".")
+        t = getattr(getattr(expert, proj), attr, None)
+        if t is not None:
+            out.append((name, t))
+    return out
+
+
+def pin_experts(model: nn.Module, pin: bool = True) -> int:
+    """Copies each layer's routed-expert weights into one arena (pinned for fast copies to a GPU), expert after
+    expert in the stream-loading ring's slot layout, so one copy moves an expert; returns the arena bytes."""
     total = 0
     for layer in cpu_experts(model):
-        tensors = [t for e in layer.host_experts for p in PROJ for t in getattr(e, p).parameters()]
-        arena = torch.empty(sum(t.nbytes for t in tensors), dtype=torch.uint8, pin_memory=True)
-        offset = 0
-        for e in layer.host_experts:
-            for p in PROJ:
-                lin = getattr(e, p)
-                for name, t in list(lin.named_parameters(recurse=False)):
-                    view = arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
-                    view.copy_(t)
-                    setattr(lin, name, nn.Parameter(view, requires_grad=False))
-                    offset += t.nbytes
+        fields, slot = layout(expert_tensors(layer.host_experts[0]))
+        arena = torch.empty(len(layer.host_experts) * slot, dtype=torch.uint8, pin_memory=pin)
+        for e, expert in enumerate(layer.host_experts):
+            for name, t in expert_tensors(expert):
+                start = e * slot + fields[name].offset
+                view = arena[start:start + t.nbytes].view(t.dtype).view(t.shape)
+                view.copy_(t)
+                proj, attr = name.split(".")
+                setattr(getattr(expert, proj), attr, nn.Parameter(view, requires_grad=False))
+        layer.arena, layer.slot_bytes = arena, slot
         layer.rebuild()
-        total += offset
+        total += arena.numel()
     return total

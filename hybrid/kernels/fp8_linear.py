@@ -43,20 +43,24 @@ def triton_applies(x: torch.Tensor, block) -> bool:
             and tuple(block) == (128, 128))
 
 
-def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block, out=None) -> torch.Tensor:
+    """x [..., K] -> [..., N]; `out` (2-D [M, N], rows contiguous) receives it when given."""
     if not triton_applies(x, block):
-        return F.linear(x, fp8.dequantize(q, scale, block, x.dtype))
+        y = F.linear(x, fp8.dequantize(q, scale, block, x.dtype))
+        return out.copy_(y.view(out.shape)) if out is not None else y
     n, k = q.shape
     x_MK = x.reshape(-1, k)
     if x_MK.stride(-1) != 1:
         x_MK = x_MK.contiguous()
     m = x_MK.shape[0]
-    y_MN = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y_MN = out if out is not None and out.stride(-1) == 1 else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         bm = 16 if m <= 16 else 64 if m <= 256 else 128
         grid = (triton.cdiv(m, bm), triton.cdiv(n, 128))
         _fp8_block_mm[grid](x_MK, q, scale, y_MN, m, n, k, x_MK.stride(0), q.stride(0), scale.stride(0),
                             y_MN.stride(0), BM=bm, BN=128, BK=128, num_warps=4 if bm <= 64 else 8, num_stages=3)
+    if out is not None:
+        return out if y_MN is out else out.copy_(y_MN)
     return y_MN.view(*x.shape[:-1], n)
 
 

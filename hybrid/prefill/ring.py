@@ -26,12 +26,15 @@ class Field:
 
 
 def layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[dict[str, Field], int]:
-    """Byte offsets (256-aligned) of one expert's tensors in a slot, and the slot size."""
+    """Byte offsets of one expert's tensors in a slot, and the slot size (256-aligned). Weights start 256-aligned;
+    FP32 block scales only 4-aligned, so that gate's and up's scales lie back to back like their weights."""
     fields, offset = {}, 0
     for name, t in tensors:
+        align = 4 if t.dtype == torch.float32 else 256
+        offset = -(-offset // align) * align
         fields[name] = Field(offset, tuple(t.shape), t.dtype)
-        offset += -(-t.nbytes // 256) * 256
-    return fields, offset
+        offset += t.nbytes
+    return fields, -(-offset // 256) * 256
 
 
 class Ring:
@@ -56,11 +59,17 @@ class Ring:
     def nbytes(self) -> int:
         return self.memory.numel()
 
-    def view(self, slot: int, name: str) -> torch.Tensor:
+    def view(self, slot: int, name: str, shape: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+        """The tensor `name` in `slot`; with `shape`, that many elements from its start (spanning the next field
+        when the two are contiguous)."""
         f = self.fields[name]
+        shape = shape or f.shape
         start = slot * self.slot_bytes + f.offset
-        nbytes = math.prod(f.shape) * f.dtype.itemsize
-        return self.memory[start:start + nbytes].view(f.dtype).view(f.shape)
+        nbytes = math.prod(shape) * f.dtype.itemsize
+        return self.memory[start:start + nbytes].view(f.dtype).view(shape)
+
+    def slot_memory(self, slot: int) -> torch.Tensor:
+        return self.memory[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
 
     def acquire(self, tag, stop: Optional[threading.Event] = None) -> Optional[int]:
         """A free slot for the loader to write (None once `stop` is set while waiting)."""

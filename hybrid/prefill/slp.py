@@ -23,20 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.engine.placement import CpuExperts
+from hybrid.engine.placement import CpuExperts, expert_tensors
 from hybrid.model.moe import Done, MoE
 from hybrid.prefill.events import PairedEvent
 from hybrid.prefill.ring import Ring, layout
 from hybrid.kernels.fp8_linear import fp8_linear
 
-PROJ = ("gate_proj", "up_proj", "down_proj")
 # The loader and unloader need the GIL for a moment per expert while the model thread launches kernels; at
 # Python's default 5 ms switch interval a hand-off can wait longer than an expert's copy takes (~0.8 ms).
 SWITCH_INTERVAL_S = 2e-4
-
-
-def expert_tensors(expert: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [(f"{p}.{n}", t) for p in PROJ for n, t in getattr(expert, p).named_parameters(recurse=False)]
+FLUSH_ROWS = 4096  # expert-output rows summed into the tokens at a time
 
 
 class Pipeline:
@@ -46,8 +42,17 @@ class Pipeline:
         self.layers, self.device = layers, device
         self.n_experts = len(layers[0].host_experts)
         self.block = layers[0].host_experts[0].gate_proj.block
-        fields, slot_bytes = layout(expert_tensors(layers[0].host_experts[0]))
+        first = layers[0].host_experts[0]
+        fields, slot_bytes = layout(expert_tensors(first))
         self.ring = Ring(ring_len, fields, slot_bytes, device, budget_bytes)
+        # gate and up read as one [2I, D] matrix when they (and their scales) lie back to back in the slot
+        self.inter = first.gate_proj.out_features
+        gate, up = fields["gate_proj.weight"], fields["up_proj.weight"]
+        self.fused = up.offset == gate.offset + first.gate_proj.weight.nbytes
+        if self.block is not None:
+            gs, us = fields["gate_proj.weight_scale_inv"], fields["up_proj.weight_scale_inv"]
+            self.fused &= (self.inter % self.block[0] == 0
+                           and us.offset == gs.offset + first.gate_proj.weight_scale_inv.nbytes)
         self.ready: "queue.Queue" = queue.Queue()
         self.done: "queue.Queue" = queue.Queue()
         self.stop = threading.Event()
@@ -74,8 +79,12 @@ class Pipeline:
                     slot = self.ring.acquire((li, e), self.stop)
                     if slot is None:
                         return
-                    for name, src in expert_tensors(expert):
-                        self.ring.view(slot, name).copy_(src, non_blocking=True)
+                    if layer.arena is not None and layer.slot_bytes == self.ring.slot_bytes:  # one copy
+                        src = layer.arena[e * layer.slot_bytes:(e + 1) * layer.slot_bytes]
+                        self.ring.slot_memory(slot).copy_(src, non_blocking=True)
+                    else:
+                        for name, src in expert_tensors(expert):
+                            self.ring.view(slot, name).copy_(src, non_blocking=True)
                     on = PairedEvent(self.device)
                     on.record()
                     self.ready.put((li, e, slot, on))
@@ -109,12 +118,27 @@ class Pipeline:
         off.record()
         self.done.put((slot, off, tag))
 
-    def linear(self, slot: int, proj: str, x: torch.Tensor) -> torch.Tensor:
-        """x through the projection `proj` of the expert in `slot` (FP8: hybrid/kernels/fp8_linear.py)."""
+    def linear(self, slot: int, proj: str, x: torch.Tensor, rows: int = 0, out=None) -> torch.Tensor:
+        """x through the projection `proj` of the expert in `slot` (FP8: hybrid/kernels/fp8_linear.py); `rows`
+        reads that many output rows from the weight's start (gate and up together)."""
         w = self.ring.view(slot, f"{proj}.weight")
+        if rows:
+            w = self.ring.view(slot, f"{proj}.weight", (rows, w.shape[1]))
         if self.block is None:
-            return F.linear(x, w.to(x.dtype))
-        return fp8_linear(x, w, self.ring.view(slot, f"{proj}.weight_scale_inv"), self.block)
+            y = F.linear(x, w.to(x.dtype))
+            return out.copy_(y) if out is not None else y
+        s = self.ring.view(slot, f"{proj}.weight_scale_inv")
+        if rows:
+            s = self.ring.view(slot, f"{proj}.weight_scale_inv", (-(-rows // self.block[0]), s.shape[1]))
+        return fp8_linear(x, w, s, self.block, out=out)
+
+    def activation(self, slot: int, x: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate(x)) ⊙ up(x): one GEMM over gate and up when they lie back to back in the slot."""
+        if self.fused:
+            gate, up = self.linear(slot, "gate_proj", x, rows=2 * self.inter).split(self.inter, dim=-1)
+        else:
+            gate, up = self.linear(slot, "gate_proj", x), self.linear(slot, "up_proj", x)
+        return F.silu(gate) * up
 
     def __enter__(self) -> "Pipeline":
         for t in self.threads:
@@ -138,24 +162,28 @@ class StreamedExperts(nn.Module):
 
     def start(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> Done:
         p, k = self.pipeline, ids_TK.shape[1]
-        # Grouping by expert stays on the device; one device->host read per layer (the counts). No host->device
-        # copy here: it would queue behind the loader's expert copies on the copy engine (tens of ms, deep rings).
+        # Rows grouped by expert once per layer, on the device; one device->host read per layer (the counts). No
+        # host->device copy here: it would queue behind the loader's expert copies on the copy engine.
         flat = ids_TK.flatten()
-        order_d = flat.argsort(stable=True)
+        order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=p.n_experts).tolist()
+        tok = order // k
+        x_RD = x_TD[tok]  # R = T·K rows, expert by expert
+        w_R = weights_TK.flatten()[order].float()
+        y_RD = torch.empty_like(x_RD)
         out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
-        start = 0
+        start = done = 0
+        flush = max(FLUSH_ROWS, len(flat) // 8)
         for e, n in enumerate(counts):
             slot = p.take(self.layer, e)
             if n:
-                sel = order_d[start:start + n]
-                tok = sel // k
-                x_tok = x_TD[tok]
-                h = F.silu(p.linear(slot, "gate_proj", x_tok)) * p.linear(slot, "up_proj", x_tok)
-                y = p.linear(slot, "down_proj", h).float()
-                out_TD.index_add_(0, tok, y * weights_TK.flatten()[sel, None].float())
+                rows = slice(start, start + n)
+                p.linear(slot, "down_proj", p.activation(slot, x_RD[rows]), out=y_RD[rows])
             p.give_back(slot, (self.layer, e))
             start += n
+            if start - done >= flush or e == len(counts) - 1:  # weighted sum into the tokens, a batch of rows
+                out_TD.index_add_(0, tok[done:start], y_RD[done:start].float() * w_R[done:start, None])
+                done = start
         return Done(out_TD.to(x_TD.dtype))
 
     def forward(self, x_TD, weights_TK, ids_TK) -> torch.Tensor:

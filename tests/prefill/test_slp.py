@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from hybrid.engine.generate import Generator
-from hybrid.engine.placement import experts_to_cpu_kernels
+from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, pin_experts
 from hybrid.errors import ConfigError
 from hybrid.prefill.ring import DEEP_RING, auto_ring_len, overwritten_before_off
 from hybrid.prefill.slp import Pipeline, StreamedExperts, streaming
 from hybrid.weights.checkpoint import Checkpoint
 from hybrid.weights.loader import load_model
+from hybrid.weights.synthetic import write_checkpoint
+from tests.conftest import model_spec
 
 CPU = torch.device("cpu")
 BIG = 1e12  # budget, bytes
@@ -39,6 +41,42 @@ def test_slp_logits_equal_the_plain_forward(tiny_dir, ring_len):
     assert len(writes) == n_moe * n_exp and len(pipe.ring.log) == 2 * n_moe * n_exp
     assert overwritten_before_off(pipe.ring.log) == []
     assert {slot for _, slot, _ in writes} == set(range(min(ring_len, n_moe * n_exp)))
+
+
+@pytest.fixture(scope="module")
+def block_aligned_dir(tmp_path_factory):
+    """The tiny model with expert rows a whole number of 128-blocks (tiny's 96 are ragged): gate and up fuse."""
+    return write_checkpoint(tmp_path_factory.mktemp("ck") / "aligned", {**model_spec("tiny"),
+                            "moe_intermediate_size": 128}, seed=1, progress=False)
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_experts_in_a_slot_layout_arena_stream_in_one_copy_each(tiny_dir, block_aligned_dir, aligned,
+                                                                 monkeypatch):
+    plain, hybrid = _models(block_aligned_dir if aligned else tiny_dir)
+    before = [p.clone() for layer in cpu_experts(hybrid) for p in layer.host_experts.parameters()]
+    arena_bytes = pin_experts(hybrid, pin=False)
+    layers = cpu_experts(hybrid)
+    assert arena_bytes == sum(layer.arena.numel() for layer in layers) == 2 * 16 * layers[0].slot_bytes
+    after = [p for layer in layers for p in layer.host_experts.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # same weights, now views of the arena
+    assert after[0].data_ptr() == layers[0].arena.data_ptr()
+    copies = []
+    real = torch.Tensor.copy_
+
+    def counting(self, src, non_blocking=False):
+        copies.append(src.numel())
+        return real(self, src, non_blocking)
+
+    tokens = torch.randint(2, 320, (1, 24), generator=torch.Generator().manual_seed(5))
+    want = plain(tokens, torch.arange(24)[None])[0]
+    monkeypatch.setattr(torch.Tensor, "copy_", counting)
+    with streaming(hybrid, CPU, 3, BIG) as pipe:
+        got = hybrid(tokens, torch.arange(24)[None])[0]
+    monkeypatch.undo()
+    assert pipe.fused == aligned, "gate and up read by one GEMM when their blocks line up"
+    assert (got - want).abs().max() <= 1e-5
+    assert copies.count(layers[0].slot_bytes) == 2 * 16, "one copy per expert"
 
 
 def test_no_slot_is_overwritten_before_off_even_when_the_model_is_slow(tiny_dir, monkeypatch):
