@@ -88,7 +88,7 @@ class PolicyConfig:
     cpu_kernel: str = "auto"  # CPU kernel ISA: auto | avx512_bf16 | avx2 | generic
     moe_backend: str = "native"  # routed experts: native (the C++ CPU kernels) | torch (reference path)
     cpu_gemm_tile_tokens: int = 64  # tokens per expert from which FP8 tiles are converted once and reused
-    slp_cutoff_tokens: int = 4096  # prompts longer than this are prefilled on the GPU by stream-loading
+    slp_cutoff_tokens: int = 128  # prompts longer than this are prefilled on the GPU by stream-loading
     ring_len: str = "auto"  # expert slots of the stream-loading ring buffer: a number >= 1, or auto
     slp_chunk_tokens: int = 0  # stream-loading prefill in chunks of this many tokens; 0 = auto (as memory allows)
     batch_cap: int = 6  # most decoding requests batched together
