@@ -1,10 +1,12 @@
-"""The prefill benchmark's TTFT plot and crossover, from records (the benchmark itself needs a GPU)."""
+"""The prefill benchmark's parts that run without a GPU: the crossover, the plot, the FLOP count of its bound."""
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from hybrid.bench import plot_bench
-from hybrid.bench.prefill import crossover
+from hybrid.bench.prefill import crossover, prefill_flops
 from hybrid.bench.records import Record
 
 
@@ -28,3 +30,12 @@ def test_plot_is_written_beside_the_json(tmp_path):
 def test_plot_copes_with_one_series(tmp_path, missing):
     recs = [Record(n, 0.2, "s", None, 512) for n in ("slp_ttft", "cpu_path_ttft") if n != missing]
     assert plot_bench("prefill", recs, tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("n", [16, 64])
+def test_prefill_flops_agree_with_torchs_flop_counter(tiny_model, n):
+    tokens = torch.randint(2, 300, (1, n), generator=torch.Generator().manual_seed(n))
+    with FlopCounterMode(display=False) as counter:
+        tiny_model(tokens, torch.arange(n)[None], last_only=True)
+    # the counter also sees the router and the masked half of the attention square, which the bound leaves out
+    assert 1.0 <= counter.get_total_flops() / prefill_flops(tiny_model.args, n) < 1.05
