@@ -1,7 +1,7 @@
 """`mode=bench bench=prefill`: stream-loading prefill (SLP) against its bound, the CPU path beside it.
 
-Bound per prompt: max(routed-expert bytes ÷ pinned host-to-device rate, expert FLOPs ÷ GPU BF16 matmul rate), both
-rates measured in this run. SLP moves every expert of every MoE layer once per prompt.
+Bound per prompt: max(routed-expert bytes ÷ pinned host-to-device rate, the prefill's matmul FLOPs ÷ GPU BF16 matmul
+rate), both rates measured in this run. SLP moves every expert of every MoE layer once per prompt.
 """
 from __future__ import annotations
 
@@ -63,6 +63,23 @@ def _ttft(engine, n: int, ring_len=None) -> float:
     return time.perf_counter() - t0
 
 
+def prefill_flops(a, n: int) -> float:
+    """Matmul FLOPs of prefilling n tokens through the model: attention projections (keys and values expanded, as
+    prefill does), causal attention, dense MLPs, shared and routed experts (top-k per token), the last token's
+    logits."""
+    h, d = a.num_attention_heads, a.hidden_size
+    q = (d * a.q_lora_rank + a.q_lora_rank * h * a.qk_head_dim) if a.q_lora_rank else d * h * a.qk_head_dim
+    proj = q + d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim) \
+        + h * a.v_head_dim * d
+    core = n * (n + 1) / 2 * h * (a.qk_head_dim + a.v_head_dim)  # multiply-adds over the causal triangle
+    expert = 3 * d * a.moe_intermediate_size
+    total = 0.0
+    for layer in range(a.num_hidden_layers):
+        mlp = (a.num_experts_per_tok + a.n_shared_experts) * expert if a.is_moe_layer(layer) else 3 * d * a.intermediate_size
+        total += 2 * (n * (proj + mlp) + core)
+    return total + 2 * d * a.vocab_size
+
+
 def run(settings) -> list[Record]:
     s, cfg = settings, settings.bench
     engine = build(s, s.hw, progress=sys.stderr.isatty())
@@ -80,7 +97,7 @@ def run(settings) -> list[Record]:
     _ttft(engine, min(cfg.prompt_lengths))  # warm-up
     for n in cfg.prompt_lengths:
         moved = n_moe * a.n_routed_experts * expert_bytes
-        flops = n_moe * n * a.num_experts_per_tok * 3 * 2 * a.hidden_size * a.moe_intermediate_size
+        flops = prefill_flops(a, n)
         bound = max(moved / (h2d * 1e9), flops / (mm * 1e12))
         first = _ttft(engine, n)  # a first prompt of a new length also pays the allocator's growth
         t = _ttft(engine, n)

@@ -123,8 +123,6 @@ class PolicyConfig:
         for knob in ("batch_cap", "max_batch", "max_context", "cpu_gemm_tile_tokens"):
             if getattr(self, knob) < 1:
                 raise ValueError(f"policy.{knob} must be >= 1, got {getattr(self, knob)}")
-        if self.gpu_experts_per_layer:
-            raise ValueError("policy.gpu_experts_per_layer > 0 (hot experts resident on the GPU) is not supported yet")
         if self.batch_cap > self.max_batch:
             raise ValueError(
                 f"policy.batch_cap ({self.batch_cap}) exceeds policy.max_batch ({self.max_batch}), "

@@ -114,6 +114,7 @@ void MoELayer::plan(const View& x, const View& ids, const View& weights, const V
   for (int64_t t = 0; t < T; ++t)
     for (int64_t k = 0; k < K; ++k) {
       const int64_t e = read_id(ids, t, k);
+      if (e == kSkip) continue;  // computed elsewhere (an expert resident on the GPU)
       if (e < 0 || e >= E)
         fail("ids: expert id " + std::to_string(e) + " out of range 0.." + std::to_string(E - 1) + " (token " +
              std::to_string(t) + ", slot " + std::to_string(k) + ")");
@@ -124,7 +125,7 @@ void MoELayer::plan(const View& x, const View& ids, const View& weights, const V
   p.wts = weights.data<const float>(), p.ldw = weights.strides[0];
   p.out = reinterpret_cast<void*>(out.ptr), p.out_bf16 = out.dtype == "bfloat16", p.ldo = out.strides[0];
   p.used.clear(), p.row0.clear(), p.rows.clear(), p.token.clear();
-  p.slot_row.assign(T * K, 0);
+  p.slot_row.assign(T * K, -1);
   for (int64_t e = 0; e < E; ++e) {
     if (slots[e].empty()) continue;
     p.used.push_back(int32_t(e));
@@ -248,8 +249,10 @@ void MoELayer::reduce(int64_t t, int64_t d0, int64_t d1) {
   float acc[512];
   for (int64_t d = d0; d < d1; ++d) acc[d - d0] = 0.f;
   for (int64_t k = 0; k < p.K; ++k) {
+    const int64_t row = p.slot_row[t * p.K + k];
+    if (row < 0) continue;  // a skipped id
     const float wk = p.wts[t * p.ldw + k];
-    const float* yr = p.y.data() + p.slot_row[t * p.K + k] * D_;
+    const float* yr = p.y.data() + row * D_;
     for (int64_t d = d0; d < d1; ++d) acc[d - d0] += wk * yr[d];
   }
   if (p.out_bf16) {

@@ -18,6 +18,8 @@
 
 namespace hybrid {
 
+constexpr int64_t kSkip = -1;
+
 class MoELayer {
  public:
   // Per expert e: gate[e], up[e] [I, D] and down[e] [D, I], FP8 (with *_scale [ceil/128 blocks] f32) or BF16
@@ -26,7 +28,8 @@ class MoELayer {
            const std::vector<View>& up_scale, const std::vector<View>& down, const std::vector<View>& down_scale);
   ~MoELayer();  // waits for a submitted call still running
 
-  // x [T, D] bf16; ids [T, K] int64 or int32; weights [T, K] f32; out [T, D] f32 or bf16 (overwritten).
+  // x [T, D] bf16; ids [T, K] int64 or int32 (kSkip = -1: that slot is computed elsewhere and adds nothing here);
+  // weights [T, K] f32; out [T, D] f32 or bf16 (overwritten).
   // submit() returns at once (the pool's workers run the layer; the caller's core stays free), wait() joins.
   void submit(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa);
   void wait();

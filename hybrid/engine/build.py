@@ -11,6 +11,7 @@ from hybrid import models
 from hybrid.config.schema import HwConfig, HybridConfig
 from hybrid.engine.cuda_graphs import GraphedDecode
 from hybrid.engine.generate import Generator
+from hybrid.engine.hot_experts import HotExperts
 from hybrid.engine.placement import cpu_experts, expert_tensors, experts_to_cpu_kernels, pin_experts, place
 from hybrid.engine.staging import Staging
 from hybrid.errors import ConfigError
@@ -79,6 +80,7 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
             print(f"routed experts: {pinned / 1e9:.2f} GB in pinned host memory", file=sys.stderr)
     elif s.policy.deferred_experts:
         raise ConfigError("policy.deferred_experts needs policy.moe_backend=native")
+    hot = hot_experts(s, model, device)
     weight_bytes = place(model, device, s.policy.gpu_weights)
     check_kv_cache(s, model, device)
     long_prefill, chunk = None, 0
@@ -90,9 +92,29 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
         chunk = s.policy.slp_chunk_tokens or auto_chunk(model.args, kv_budget_bytes(s, device), slot_bytes(model))
     gen = Generator(model, s.policy.max_batch, s.policy.max_context, a.eos_token_id, device, long_prefill,
                     s.policy.slp_cutoff_tokens, chunk)
+    if hot:
+        gen.after_prefill = lambda: [h.refresh() for h in hot]
     if graphs_apply(s, device):
         gen.decode_step = GraphedDecode(model, gen.cache, staging, s.policy.cuda_graphs, s.policy.max_batch)
     return Engine(model, tok, gen, device, staging, weight_bytes)
+
+
+def hot_experts(s: HybridConfig, model: Transformer, device: torch.device) -> list[HotExperts]:
+    """policy.gpu_experts_per_layer > 0: that many slots per MoE layer for the hottest routed experts on the GPU."""
+    n, p = s.policy.gpu_experts_per_layer, s.policy
+    if not n:
+        return []
+    if device.type != "cuda":
+        raise ConfigError("policy.gpu_experts_per_layer > 0 keeps hot experts on the GPU: this profile runs "
+                          "without one (set it to 0)")
+    if p.moe_backend != "native" or p.deferred_experts:
+        raise ConfigError("policy.gpu_experts_per_layer > 0 needs policy.moe_backend=native and "
+                          "policy.deferred_experts=0")
+    hot = []
+    for layer in cpu_experts(model):
+        layer.hot = HotExperts(layer.host_experts, n, device)
+        hot.append(layer.hot)
+    return hot
 
 
 def graphs_apply(s: HybridConfig, device: torch.device) -> bool:

@@ -51,6 +51,7 @@ class Generator:
         self.max_context = max_context
         self.cache = model.new_cache(max_batch, max_context, self.device)
         self.decode_step: Optional[Callable] = None  # (tokens, pos, slots, kv_len) -> logits, e.g. CUDA graphs
+        self.after_prefill: Optional[Callable[[], None]] = None  # e.g. move the hottest experts onto the GPU
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
                  on_token: Optional[Callable[[int, int], None]] = None) -> Result:
@@ -60,6 +61,8 @@ class Generator:
         res.output_ids = [[] for _ in prompts]
         t0 = time.perf_counter()
         last = torch.stack([self._prefill(i, p) for i, p in enumerate(prompts)])
+        if self.after_prefill is not None:
+            self.after_prefill()
         live = list(range(len(prompts)))
         for step in range(max_new_tokens):
             tokens = sampler(last)

@@ -22,6 +22,7 @@ from torch import nn
 from hybrid.kernels.moe import CpuMoE
 from hybrid.model.layers import Linear
 from hybrid.model.moe import MoE, RoutedExperts
+from hybrid.engine.hot_experts import HotExperts
 from hybrid.engine.staging import Deferral, Staging, record_wait
 from hybrid.prefill.ring import layout
 
@@ -50,53 +51,67 @@ class CpuExperts(nn.Module):
         self.experts_read = 0
         self.arena: Optional[torch.Tensor] = None  # pin_experts: every expert's weights, slot_bytes apart
         self.slot_bytes = 0
+        self.hot: Optional[HotExperts] = None  # experts resident on the compute device (hot_experts.py)
 
     def rebuild(self) -> None:
         """After the expert weights moved (pinning), point the native op at them."""
         self.op = _cpu_op(self.host_experts, self.kernel)
 
     def start(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
+        w_TN = None
+        if self.hot is not None:  # resident experts leave the CPU's ids as -1; computed below, overlapping it
+            w_TN, ids_TK = self.hot.route(weights_TK, ids_TK)
         capture = self.staging.capture
         if capture is not None:  # being recorded into a CUDA graph: no synchronisation, the graph hands off
             x_h, w_h, ids_h = self.staging.to_host(x_TD, weights_TK, ids_TK, sync=False)
             out_h = self.staging.out(x_h.shape[0], fixed=True)
-            return _Captured(self, capture.handoff_start(self.op, x_h, ids_h, w_h, out_h), out_h, x_TD)
+            handoff = capture.handoff_start(self.op, x_h, ids_h, w_h, out_h)
+            return _Captured(self, handoff, out_h, x_TD, self._hot(x_TD, w_TN))
         t0 = time.perf_counter()
         x_h, w_h, ids_h = self.staging.to_host(x_TD, weights_TK, ids_TK)
         if self.timings is not None:
             self.timings["stage"] += time.perf_counter() - t0
-            self.experts_read += int(ids_h.unique().numel())
+            self.experts_read += int(ids_h[ids_h >= 0].unique().numel())
             self.submitted = time.perf_counter()
         if self.deferral is not None:
             return self.deferral.start(self, x_h, w_h, ids_h, x_TD)
         out_h = self.staging.out(x_h.shape[0])
         self.op.submit(x_h, ids_h, w_h, out_h)
-        return _Pending(self, out_h, x_TD)
+        return _Pending(self, out_h, x_TD, self._hot(x_TD, w_TN))
+
+    def _hot(self, x_TD: torch.Tensor, w_TN: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if w_TN is None else self.hot(x_TD, w_TN)
+
+    def join(self, out_h: torch.Tensor, like: torch.Tensor, hot_TD: Optional[torch.Tensor]) -> torch.Tensor:
+        """The CPU op's output on the caller's device (plus the resident experts')."""
+        if hot_TD is None:
+            return self.staging.to_device(out_h, like)
+        return (self.staging.to_device(out_h, hot_TD) + hot_TD).to(like.dtype)
 
     def forward(self, x_TD, weights_TK, ids_TK) -> torch.Tensor:
         return self.start(x_TD, weights_TK, ids_TK).result()
 
 
 class _Pending:
-    def __init__(self, layer: CpuExperts, out_h: torch.Tensor, like: torch.Tensor):
-        self.layer, self.out_h, self.like = layer, out_h, like
+    def __init__(self, layer: CpuExperts, out_h: torch.Tensor, like: torch.Tensor, hot_TD=None):
+        self.layer, self.out_h, self.like, self.hot_TD = layer, out_h, like, hot_TD
 
     def result(self) -> torch.Tensor:
         t0 = time.perf_counter()
         self.layer.op.wait()
         t1 = time.perf_counter()
-        out = self.layer.staging.to_device(self.out_h, self.like)
+        out = self.layer.join(self.out_h, self.like, self.hot_TD)
         record_wait(self.layer, t0, t1)
         return out
 
 
 class _Captured:
-    def __init__(self, layer: CpuExperts, handoff, out_h: torch.Tensor, like: torch.Tensor):
-        self.layer, self.handoff, self.out_h, self.like = layer, handoff, out_h, like
+    def __init__(self, layer: CpuExperts, handoff, out_h: torch.Tensor, like: torch.Tensor, hot_TD=None):
+        self.layer, self.handoff, self.out_h, self.like, self.hot_TD = layer, handoff, out_h, like, hot_TD
 
     def result(self) -> torch.Tensor:
         self.layer.staging.capture.handoff_end(self.handoff)
-        return self.layer.staging.to_device(self.out_h, self.like)
+        return self.layer.join(self.out_h, self.like, self.hot_TD)
 
 
 def experts_to_cpu_kernels(model: nn.Module, kernel: str = "auto", staging: Optional[Staging] = None,

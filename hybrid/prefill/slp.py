@@ -165,6 +165,9 @@ class StreamedExperts(nn.Module):
         # Rows grouped by expert once per layer, on the device; one device->host read per layer (the counts). No
         # host->device copy here: it would queue behind the loader's expert copies on the copy engine.
         flat = ids_TK.flatten()
+        hot = p.layers[self.layer].hot
+        if hot is not None:  # the routing statistics that choose the GPU-resident experts
+            hot.observe(ids_TK)
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=p.n_experts).tolist()
         tok = order // k

@@ -151,6 +151,26 @@ def test_dtypes(variant, wtype, ids_dtype, out_dtype):
         check(out, x, ids, w, experts(wtype, D, I)["dense"], variant, f"{wtype} {ids_dtype} {out_dtype}")
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_skipped_ids_add_nothing(variant):
+    """id -1 marks a slot computed elsewhere (an expert resident on the GPU): the op is the reference over the other
+    slots alone; a token with every slot skipped gets zeros."""
+    D, I = DIMS[0]
+    T = 5
+    rng = rng_for("moe-skip", variant)
+    x = bf16(rng, (T, D))
+    ids, w = routing(rng, T)
+    skipped = ids.clone()
+    skipped[0, 1] = skipped[2, 0] = skipped[2, 3] = -1
+    skipped[4] = -1
+    out = torch.full((T, D), float("nan"))
+    op_for("fp8", D, I, variant)(x, skipped, w, out)
+    keep = skipped >= 0
+    assert torch.equal(out[4], torch.zeros(D))
+    ex = experts("fp8", D, I)
+    check(out[:4], x[:4], torch.where(keep, ids, 0)[:4], torch.where(keep, w, 0.0)[:4], ex["dense"], variant, "fp8")
+
+
 @pytest.mark.parametrize("wtype", WTYPES)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_hot_expert(variant, wtype):

@@ -1,0 +1,99 @@
+"""Hot routed experts resident on the GPU (`policy.gpu_experts_per_layer` = N per MoE layer).
+
+The CPU reads the weights of every routed expert a token picks. The experts picked most often can stay in GPU memory
+instead, so that the CPU reads fewer bytes per token. Per MoE layer, N fixed GPU slots hold copies of the hottest
+experts (weights as the checkpoint stores them: FP8 + block scales, through hybrid/kernels/fp8_linear.py); a table
+on the device maps an expert id to its slot (-1: on the CPU). In a step, every slot runs over all the layer's tokens,
+weighted by the routing weight where the token picked it (0 elsewhere) — static shapes, so CUDA graphs capture it —
+and the CPU op gets those picks as id -1 (skip).
+
+Which experts are hot comes from routing counts gathered on the device as the engine runs (decayed, so the set
+follows the traffic); `refresh()` (after each prefill) moves the hottest into the slots. Slot addresses never change,
+so captured graphs stay valid.
+
+Legend: T tokens, D hidden, I expert intermediate, K experts per token, N hot slots, E routed experts.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid.kernels.fp8_linear import fp8_linear
+from hybrid.model.moe import RoutedExperts
+
+PROJ = ("gate_proj", "up_proj", "down_proj")
+DECAY = 0.5  # routing counts kept at each refresh
+
+
+class HotExperts(nn.Module):
+    def __init__(self, host_experts: RoutedExperts, n: int, device: torch.device):
+        super().__init__()
+        if not 0 < n <= len(host_experts):
+            raise ValueError(f"policy.gpu_experts_per_layer={n} must be between 1 and the {len(host_experts)} "
+                             "routed experts of a layer")
+        object.__setattr__(self, "host_experts", host_experts)  # not a submodule: they stay on the host
+        first = host_experts[0]
+        self.block = first.gate_proj.block
+        for p in PROJ:
+            lin = getattr(first, p)
+            self.register_buffer(f"{p}_w", torch.zeros(n, *lin.weight.shape, dtype=lin.weight.dtype, device=device))
+            if self.block is not None:
+                s = lin.weight_scale_inv
+                self.register_buffer(f"{p}_s", torch.zeros(n, *s.shape, dtype=s.dtype, device=device))
+        e = len(host_experts)
+        self.register_buffer("slot_of", torch.full((e,), -1, dtype=torch.long, device=device))
+        self.register_buffer("counts", torch.zeros(e, dtype=torch.float32, device=device))
+        self.resident: list[int] = [-1] * n  # expert id in each slot
+
+    @property
+    def n(self) -> int:
+        return len(self.resident)
+
+    def observe(self, ids_TK: torch.Tensor) -> None:
+        """Count the routing (on the device, no synchronisation)."""
+        flat = ids_TK.flatten().to(self.counts.device)
+        self.counts.index_add_(0, flat, torch.ones_like(flat, dtype=self.counts.dtype))
+
+    def _linear(self, x: torch.Tensor, proj: str, j: int) -> torch.Tensor:
+        w = getattr(self, f"{proj}_w")[j]
+        if self.block is None:
+            return F.linear(x, w.to(x.dtype))
+        return fp8_linear(x, w, getattr(self, f"{proj}_s")[j], self.block)
+
+    def route(self, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
+        """(each token's weight on each slot [T, N], 0 where not picked; the ids left for the CPU, resident picks
+        as -1). Counts the routing too."""
+        self.observe(ids_TK)
+        slot_TK = self.slot_of[ids_TK]
+        hit_TK = slot_TK >= 0
+        w_TN = torch.zeros(ids_TK.shape[0], self.n, dtype=torch.float32, device=ids_TK.device)
+        w_TN.scatter_add_(1, slot_TK.clamp(min=0), torch.where(hit_TK, weights_TK.float(), 0.0))
+        return w_TN, torch.where(hit_TK, -1, ids_TK)
+
+    def forward(self, x_TD: torch.Tensor, w_TN: torch.Tensor) -> torch.Tensor:
+        """The resident experts' weighted sum [T, D] (fp32): every slot over every token."""
+        y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
+        for j in range(self.n):
+            h = F.silu(self._linear(x_TD, "gate_proj", j)) * self._linear(x_TD, "up_proj", j)
+            y_TD += w_TN[:, j:j + 1] * self._linear(h, "down_proj", j).float()
+        return y_TD
+
+    def refresh(self) -> list[int]:
+        """Move the hottest experts into the slots (those already resident stay put); returns the resident ids."""
+        hottest = self.counts.topk(self.n).indices.tolist()
+        self.counts.mul_(DECAY)
+        incoming = [e for e in hottest if e not in self.resident]
+        free = [j for j, e in enumerate(self.resident) if e not in hottest]
+        for j, e in zip(free, incoming):
+            if self.resident[j] >= 0:
+                self.slot_of[self.resident[j]] = -1
+            expert = self.host_experts[e]
+            for p in PROJ:
+                lin = getattr(expert, p)
+                getattr(self, f"{p}_w")[j].copy_(lin.weight, non_blocking=True)
+                if self.block is not None:
+                    getattr(self, f"{p}_s")[j].copy_(lin.weight_scale_inv, non_blocking=True)
+            self.slot_of[e] = j
+            self.resident[j] = e
+        return list(self.resident)
