@@ -19,8 +19,7 @@ import torch
 
 from hybrid.bench.gpu_profile import gpu_times
 from hybrid.bench.records import Record
-from hybrid.engine.build import build
-from hybrid.engine.cuda_graphs import GraphedDecode
+from hybrid.engine.build import build, graphs_apply
 from hybrid.engine.profile import StepProfile
 from hybrid.errors import ConfigError
 from hybrid.kernels.membw import calibrate, read_roof
@@ -40,12 +39,13 @@ def _timed(engine, cfg, ctx: int, step, on_warm=None, steps: int = 0) -> list[fl
     slots = torch.arange(b, device=dev)
     tokens = torch.randint(2, engine.model.args.vocab_size, (b, 1), device=dev)
     times = []
-    for i in range(steps or cfg.steps + 2):  # two warm-up steps (graphs are captured in the first)
+    n = steps or cfg.steps + 2  # two warm-up steps (graphs are captured in the first)
+    for i in range(n):
         if i == 2 and on_warm:
             on_warm()
-        pos = torch.full((b, 1), ctx - 1 + i, device=dev)
+        pos = torch.full((b, 1), ctx - n + i, device=dev)  # the last step attends over exactly ctx positions
         t0 = time.perf_counter()
-        step(tokens, pos, slots, ctx + i).argmax(-1).tolist()  # the sampler's hand-back: one sync per step
+        step(tokens, pos, slots, ctx - n + i + 1).argmax(-1).tolist()  # the sampler's hand-back: one sync
         if i >= 2:
             times.append(time.perf_counter() - t0)
     return times
@@ -69,15 +69,17 @@ def _graphed(engine, cfg, ctx: int, graphs: GraphedDecode) -> tuple[list[float],
     jobs = graphs.jobs()
     parts = {"cpu_moe": sum(j.cpu_s - jobs0.get(id(j), 0.0) for j in jobs)}
     if engine.device.type == "cuda":  # GPU busy from the profiler's kernel records over a few more steps
-        wall, busy, _ = gpu_times(lambda: _timed(engine, cfg, ctx + cfg.steps + 2, graphs, steps=3))
+        wall, busy, _ = gpu_times(lambda: _timed(engine, cfg, ctx, graphs, steps=3))
         parts["gpu_busy"] = busy["kernels_s"] / wall
     return times, parts
 
 
 def run(settings) -> list[Record]:
     s, cfg = settings, settings.bench
-    if max(cfg.contexts) + cfg.steps + 5 > s.policy.max_context:  # + warm-up and profiled steps
-        raise ConfigError(f"bench.contexts reach {max(cfg.contexts)} (+{cfg.steps + 5} steps) but the KV cache "
+    if min(cfg.contexts) < cfg.steps + 2:
+        raise ConfigError(f"bench.contexts must be at least bench.steps + 2 = {cfg.steps + 2} (the steps end there)")
+    if max(cfg.contexts) > s.policy.max_context:
+        raise ConfigError(f"bench.contexts reach {max(cfg.contexts)} but the KV cache "
                           f"holds policy.max_context={s.policy.max_context}: raise policy.max_context")
     if cfg.batch > s.policy.max_batch:
         raise ConfigError(f"bench.batch={cfg.batch} exceeds policy.max_batch={s.policy.max_batch}")
@@ -88,9 +90,12 @@ def run(settings) -> list[Record]:
     streams, _ = calibrate(cfg.roof_gb)
     roof = read_roof(cfg.roof_gb, 5, streams)
     print(f"decode on {engine.device}: {n_moe} MoE layers, roof {roof:.1f} GB/s", file=sys.stderr)
-    modes = ["eager"] + (list(cfg.graph_modes) if engine.device.type == "cuda" else [])
-    graphs = {m: GraphedDecode(engine.model, engine.generator.cache, engine.staging, m, cfg.batch)
-              for m in modes[1:]}
+    modes = ["eager"] + (list(cfg.graph_modes) if graphs_apply(s, engine.device) else [])
+    graphs = {}
+    if len(modes) > 1:
+        from hybrid.engine.cuda_graphs import GraphedDecode
+        graphs = {m: GraphedDecode(engine.model, engine.generator.cache, engine.staging, m, cfg.batch)
+                  for m in modes[1:]}
     records = [Record("read_roof", roof, "GB/s", extra={"streams": streams})]
     for ctx in cfg.contexts:
         syncs0 = engine.staging.syncs

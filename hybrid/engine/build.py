@@ -9,7 +9,6 @@ import torch
 
 from hybrid import models
 from hybrid.config.schema import HwConfig, HybridConfig
-from hybrid.engine.cuda_graphs import GraphedDecode
 from hybrid.engine.generate import Generator
 from hybrid.engine.hot_experts import HotExperts
 from hybrid.engine.placement import cpu_experts, expert_tensors, experts_to_cpu_kernels, pin_experts, place
@@ -70,6 +69,9 @@ def check_kv_cache(s: HybridConfig, model: Transformer, device: torch.device) ->
 def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
     device = compute_device(hw)
     fp8_linear.set_backend(s.policy.gpu_fp8_gemm)
+    if device.type == "cuda" and s.policy.gpu_fp8_gemm == "triton" and fp8_linear.triton is None:
+        print("note: Triton is not installed: FP8 weights on the GPU are dequantised before use "
+              "(policy.gpu_fp8_gemm=triton needs it)", file=sys.stderr)
     model, tok = models.load(s.model, progress)
     a = model.args
     staging = Staging(a.hidden_size, a.num_experts_per_tok, pin=device.type == "cuda")
@@ -81,7 +83,7 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
     elif s.policy.deferred_experts:
         raise ConfigError("policy.deferred_experts needs policy.moe_backend=native")
     hot = hot_experts(s, model, device)
-    weight_bytes = place(model, device, s.policy.gpu_weights)
+    weight_bytes = place(model, device, s.policy.gpu_weights) + sum(h.nbytes for h in hot)
     check_kv_cache(s, model, device)
     long_prefill, chunk = None, 0
     if device.type == "cuda" and s.policy.moe_backend == "native":
@@ -95,6 +97,8 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
     if hot:
         gen.after_prefill = lambda: [h.refresh() for h in hot]
     if graphs_apply(s, device):
+        from hybrid.engine.cuda_graphs import GraphedDecode  # GPU only: loads the CUDA driver's entry point
+
         gen.decode_step = GraphedDecode(model, gen.cache, staging, s.policy.cuda_graphs, s.policy.max_batch)
     return Engine(model, tok, gen, device, staging, weight_bytes)
 
@@ -110,11 +114,16 @@ def hot_experts(s: HybridConfig, model: Transformer, device: torch.device) -> li
     if p.moe_backend != "native" or p.deferred_experts:
         raise ConfigError("policy.gpu_experts_per_layer > 0 needs policy.moe_backend=native and "
                           "policy.deferred_experts=0")
-    hot = []
-    for layer in cpu_experts(model):
-        layer.hot = HotExperts(layer.host_experts, n, device)
-        hot.append(layer.hot)
-    return hot
+    layers = cpu_experts(model)
+    need = n * len(layers) * slot_bytes(model)
+    budget = kv_budget_bytes(s, device)
+    if need > budget:
+        raise ConfigError(f"policy.gpu_experts_per_layer={n} needs {need / 1e9:.2f} GB of GPU memory for "
+                          f"{len(layers)} MoE layers but {max(budget, 0) / 1e9:.2f} GB is free: lower it "
+                          "(or raise policy.gpu_memory_budget_gb)")
+    for layer in layers:
+        layer.attach_hot(HotExperts(layer.host_experts, n, device))
+    return [layer.hot for layer in layers]
 
 
 def graphs_apply(s: HybridConfig, device: torch.device) -> bool:

@@ -13,9 +13,10 @@ putting that hand-off in a graph are built (the decode bench measures both again
   Python replays them in turn and runs the CPU op between them, after the first graph's copies are done.
 
 Shapes must be static inside a graph, so there is one graph per (batch size, KV-length bucket): attention reads
-the cache up to the bucket (the next power of two, at least MIN_BUCKET) and masks the positions past each token,
-as it already does for sequences of different lengths. Graphs are captured lazily (a warm-up step, then the
-capture) and share one memory pool; they are replayed one at a time on one stream.
+the cache up to the bucket (`kv_bucket`: at most 1/4 past the longest sequence) and masks the positions past each
+token, as it already does for sequences of different lengths. Graphs are captured lazily (a warm-up step, then the
+capture) and share one memory pool; they are replayed one at a time on one stream. A step whose capture fails runs
+eagerly (with a warning), and so does every later step of that shape.
 
 Legend: B batch (sequences), V vocabulary.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -35,14 +37,17 @@ from hybrid.model.transformer import Transformer
 
 MODES = ("off", "hostfn", "segments")
 MIN_BUCKET = 256
+BUCKETS_PER_OCTAVE = 8
 
 
 def kv_bucket(kv_len: int, max_context: int) -> int:
-    """The KV length a graph is captured for: the next power of two >= kv_len (at least MIN_BUCKET), capped at
-    the cache's length."""
+    """The KV length a graph is captured for: kv_len rounded up to a multiple of an eighth of the next power of two
+    (at least MIN_BUCKET), capped at the cache's length — attention reads at most 1/4 more positions than it needs
+    (past MIN_BUCKET), and a 32K cache needs 24 graphs per batch size."""
     if not 1 <= kv_len <= max_context:
         raise ValueError(f"kv_len {kv_len} outside 1..{max_context} (policy.max_context)")
-    return min(max_context, max(MIN_BUCKET, 1 << (kv_len - 1).bit_length()))
+    step = max(MIN_BUCKET, (1 << (kv_len - 1).bit_length()) // BUCKETS_PER_OCTAVE)
+    return min(max_context, -(-kv_len // step) * step)
 
 
 class HostFunctions:
@@ -76,7 +81,7 @@ class _HostFnCapture:
 
     def handoff_start(self, op, x_h, ids_h, w_h, out_h):
         job = op.host_job(x_h, ids_h, w_h, out_h)
-        self.jobs.append(job)
+        self.jobs.append((job, op))  # the op (and the weights it holds) lives as long as the graph
         self.host.launch(_native.host_submit_fn, job.address)
         return job
 
@@ -106,7 +111,7 @@ class _SegmentCapture:
 
     def handoff_start(self, op, x_h, ids_h, w_h, out_h):
         job = op.host_job(x_h, ids_h, w_h, out_h)
-        self.jobs.append(job)
+        self.jobs.append((job, op))
         staged = torch.cuda.Event()
         self._close()
         self.steps.append(staged.record)
@@ -133,7 +138,7 @@ class _SegmentCapture:
 class _Graph:
     steps: list[Callable[[], None]]
     logits: torch.Tensor
-    jobs: list = field(default_factory=list)
+    jobs: list = field(default_factory=list)  # (native job, CpuMoE) per MoE layer
 
 
 class GraphedDecode:
@@ -147,6 +152,7 @@ class GraphedDecode:
         self.device = next(model.parameters()).device
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.eager: set[tuple[int, int]] = set()  # shapes whose capture failed
         self.pool = torch.cuda.graph_pool_handle()
         staging.reserve(max_batch)
 
@@ -158,18 +164,30 @@ class GraphedDecode:
         tokens.copy_(tokens_B1, non_blocking=True)
         pos.copy_(pos_B1, non_blocking=True)
         slots.copy_(slots_B, non_blocking=True)
-        graph = self.graphs.get(key) or self._capture(*key)
+        if key in self.eager:
+            return self._run(b, kv_len)
+        graph = self.graphs.get(key)
+        if graph is None:
+            try:
+                graph = self._capture(*key)
+            except RuntimeError as e:  # e.g. an operation CUDA graphs cannot hold: this shape runs eagerly
+                print(f"warning: decode step of batch {b}, KV length {key[1]} runs eagerly: CUDA graph capture "
+                      f"failed ({str(e).splitlines()[0]})", file=sys.stderr)
+                self.eager.add(key)
+                return self._run(b, kv_len)
         for step in graph.steps:
             step()
         torch.cuda.current_stream().synchronize()  # the sampler reads the logits next anyway
-        for job in graph.jobs:
-            if job.error:
-                msg, job.error = job.error, ""
-                raise RuntimeError(f"CPU experts in a graphed decode step: {msg}")
+        errors = [job.error for job, _ in graph.jobs if job.error]
+        for job, _ in graph.jobs:
+            job.error = ""
+        if errors:
+            raise RuntimeError("CPU experts in a graphed decode step: " + "; ".join(errors))
         return graph.logits
 
     def jobs(self) -> list:
-        return [j for g in self.graphs.values() for j in g.jobs]
+        """The native jobs of every captured graph (their own timings: submit_s, cpu_s, wait_s, calls)."""
+        return [job for g in self.graphs.values() for job, _ in g.jobs]
 
     def _inputs(self, b: int):
         if b not in self.inputs:

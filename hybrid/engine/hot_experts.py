@@ -50,6 +50,10 @@ class HotExperts(nn.Module):
     def n(self) -> int:
         return len(self.resident)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers())
+
     def observe(self, ids_TK: torch.Tensor) -> None:
         """Count the routing (on the device, no synchronisation)."""
         flat = ids_TK.flatten().to(self.counts.device)
@@ -81,7 +85,8 @@ class HotExperts(nn.Module):
 
     def refresh(self) -> list[int]:
         """Move the hottest experts into the slots (those already resident stay put); returns the resident ids."""
-        hottest = self.counts.topk(self.n).indices.tolist()
+        counts, ids = self.counts.topk(self.n)
+        hottest = [e for c, e in zip(counts.tolist(), ids.tolist()) if c > 0]  # never a cold expert
         self.counts.mul_(DECAY)
         incoming = [e for e in hottest if e not in self.resident]
         free = [j for j, e in enumerate(self.resident) if e not in hottest]

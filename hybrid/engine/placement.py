@@ -51,7 +51,12 @@ class CpuExperts(nn.Module):
         self.experts_read = 0
         self.arena: Optional[torch.Tensor] = None  # pin_experts: every expert's weights, slot_bytes apart
         self.slot_bytes = 0
-        self.hot: Optional[HotExperts] = None  # experts resident on the compute device (hot_experts.py)
+        object.__setattr__(self, "hot", None)  # HotExperts on the compute device (set by the engine; not a
+        # submodule: its slots are not checkpoint weights and are allocated where they live)
+
+    def attach_hot(self, hot: Optional[HotExperts]) -> None:
+        """Experts of this layer resident on the compute device (kept out of the module tree)."""
+        object.__setattr__(self, "hot", hot)
 
     def rebuild(self) -> None:
         """After the expert weights moved (pinning), point the native op at them."""

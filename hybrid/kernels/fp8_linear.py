@@ -49,6 +49,9 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block, out
         y = F.linear(x, fp8.dequantize(q, scale, block, x.dtype))
         return out.copy_(y.view(out.shape)) if out is not None else y
     n, k = q.shape
+    if q.stride(1) != 1 or scale.stride(1) != 1 or tuple(scale.shape) != fp8.scale_shape((n, k), block):
+        raise ValueError(f"fp8_linear: weights {tuple(q.shape)} and scales {tuple(scale.shape)} must be row-major "
+                         f"with one scale per 128x128 block ({fp8.scale_shape((n, k), block)})")
     x_MK = x.reshape(-1, k)
     if x_MK.stride(-1) != 1:
         x_MK = x_MK.contiguous()
@@ -81,8 +84,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])
     def _fp8_block_mm(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, sxm, sqn, ssn, sym,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)  # row offsets can pass 2^31 elements
+        rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
         rk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kb in range(0, tl.cdiv(K, BK)):

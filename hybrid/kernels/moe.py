@@ -62,10 +62,12 @@ class CpuMoE:
         """A call over these fixed buffers that a CUDA stream runs as two host functions (`_native.host_submit_fn`
         then `_native.host_wait_fn`, with `job.address`): the buffers must stay alive and in place as long as the
         job is used. Arguments are checked when the job runs; an error is left in `job.error`."""
-        for t, dtype in ((x_TD, torch.bfloat16), (ids_TK, torch.int64), (weights_TK, torch.float32),
-                         (out_TD, torch.float32)):
-            if t.dtype != dtype or not t.is_contiguous():
-                raise ValueError(f"host_job takes contiguous {dtype} buffers, got {t.dtype}")
+        for name, t, dtype in (("x", x_TD, torch.bfloat16), ("ids", ids_TK, torch.int64),
+                               ("weights", weights_TK, torch.float32), ("out", out_TD, torch.float32)):
+            if t.dtype != dtype:
+                raise ValueError(f"host_job: {name} must be {dtype}, got {t.dtype}")
+            if not t.is_contiguous():
+                raise ValueError(f"host_job: {name} must be contiguous (the job keeps its address)")
         return _native.HostJob(self._op, view(x_TD), view(ids_TK), view(weights_TK), view(out_TD),
                                kernel_name(self.kernel))
 

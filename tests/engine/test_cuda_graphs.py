@@ -21,11 +21,15 @@ _call = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 SUBMIT, WAIT = _call(_native.host_submit_fn), _call(_native.host_wait_fn)
 
 
-def test_kv_bucket_is_the_next_power_of_two_within_the_cache():
+def test_kv_bucket_reads_little_more_than_needed():
     assert kv_bucket(1, 4096) == MIN_BUCKET
     assert kv_bucket(MIN_BUCKET + 1, 4096) == 2 * MIN_BUCKET
-    assert kv_bucket(1024, 4096) == 1024 and kv_bucket(1025, 4096) == 2048
+    assert kv_bucket(1024, 4096) == 1024 and kv_bucket(1025, 4096) == 1280
     assert kv_bucket(3000, 3000) == 3000  # capped at the cache
+    buckets = {kv_bucket(n, 1 << 15) for n in range(1, (1 << 15) + 1)}
+    assert len(buckets) <= 8 * 7  # graphs per batch size for a 32K cache (24 in fact)
+    for n in range(1, 1 << 15, 97):
+        assert n <= kv_bucket(n, 1 << 15) <= max(n + MIN_BUCKET, n * 5 / 4)
     for bad in (0, 4097):
         with pytest.raises(ValueError, match="policy.max_context"):
             kv_bucket(bad, 4096)
@@ -85,8 +89,10 @@ def test_host_job_reports_a_bad_call_instead_of_crashing(tiny_dir):
     SUBMIT(job.address)
     WAIT(job.address)
     assert "999 out of range" in job.error
-    with pytest.raises(ValueError, match="contiguous"):
+    with pytest.raises(ValueError, match="x must be torch.bfloat16"):
         op.host_job(x.float(), ids, w, out)
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        op.host_job(x, ids, w, torch.empty(256, 2).t())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -28,14 +28,16 @@ def _model(tiny_dir, n_hot: int = 0):
     hot = []
     for layer in cpu_experts(m):
         if n_hot:
-            layer.hot = HotExperts(layer.host_experts, n_hot, CPU)
+            layer.attach_hot(HotExperts(layer.host_experts, n_hot, CPU))
             hot.append(layer.hot)
+            assert "hot" not in dict(layer.named_children())
     return m, hot
 
 
 def test_routing_counts_pick_the_hottest_and_slots_stay_put(tiny_dir):
     _, hot = _model(tiny_dir, n_hot=3)
     h = hot[0]
+    assert h.refresh() == [-1, -1, -1], "no routing seen yet: no expert is hot"
     h.observe(torch.tensor([[5, 7, 2, 9], [5, 7, 2, 0], [5, 3, 4, 6]]))  # 5: 3 picks, 7 and 2: 2, the rest 1
     first = h.refresh()
     assert sorted(first) == [2, 5, 7]
