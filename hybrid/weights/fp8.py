@@ -18,8 +18,14 @@ def expand_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, 
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype=torch.bfloat16) -> torch.Tensor:
-    shape = tuple(q.shape)
-    return (q.to(torch.float32) * expand_scale(scale.to(torch.float32), shape, block)).to(dtype)
+    """q·s with the product formed in FP32, then cast to `dtype`. Whole blocks broadcast the scales (no full-size
+    scale tensor); ragged edges expand them."""
+    n, k = q.shape
+    w = q.to(torch.float32)
+    if n % block[0] == 0 and k % block[1] == 0:
+        sn, sk = scale_shape((n, k), block)
+        return (w.view(sn, block[0], sk, block[1]) * scale.to(torch.float32)[:, None, :, None]).view(n, k).to(dtype)
+    return (w * expand_scale(scale.to(torch.float32), (n, k), block)).to(dtype)
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
