@@ -63,6 +63,25 @@ def _ttft(engine, n: int, ring_len=None) -> float:
     return time.perf_counter() - t0
 
 
+def _tile_sweep(engine, n: int, specs) -> list[Record]:
+    """TTFT with each Triton tile for prefill-sized row counts (`bench.fp8_tiles`); the default is restored."""
+    if not specs or fp8_linear.backend() != "triton" or fp8_linear.triton is None:
+        return []
+    a, default = engine.model.args, fp8_linear.TILES[None]
+    shapes = [(2 * a.moe_intermediate_size, a.hidden_size), (a.hidden_size, a.moe_intermediate_size),
+              (a.moe_intermediate_size, a.hidden_size)]
+    out = []
+    try:
+        for spec in specs:
+            fp8_linear.set_large_tile(spec)
+            fp8_linear.warm_up(shapes, engine.device)  # compile outside the timing
+            out.append(Record("slp_fp8_tile", _ttft(engine, n), "s", None, n,
+                              extra={"tile": str(fp8_linear.TILES[None]), "default": str(default)}))
+    finally:
+        fp8_linear.TILES[None] = default
+    return out
+
+
 def prefill_flops(a, n: int) -> float:
     """Matmul FLOPs of prefilling n tokens through the model: attention projections (keys and values expanded, as
     prefill does), causal attention, dense MLPs, shared and routed experts (top-k per token), the last token's
@@ -82,6 +101,8 @@ def prefill_flops(a, n: int) -> float:
 
 def run(settings) -> list[Record]:
     s, cfg = settings, settings.bench
+    for spec in cfg.fp8_tiles:  # before minutes of set-up
+        fp8_linear.Tile.parse(spec)
     engine = build(s, s.hw, progress=sys.stderr.isatty())
     if engine.device.type != "cuda" or engine.generator.long_prefill is None:
         raise ConfigError("bench=prefill streams experts through a GPU: it needs a GPU profile (+hw=...) with CUDA "
@@ -122,6 +143,7 @@ def run(settings) -> list[Record]:
                                                                           is not None)}))
     finally:
         fp8_linear.set_backend(chosen)
+    records += _tile_sweep(engine, longest, cfg.fp8_tiles)
     t, busy, table = gpu_times(lambda: _ttft(engine, longest))
     print(f"stream-loading prefill of {longest} tokens under the profiler ({t:.3f} s), top GPU rows:\n{table}",
           file=sys.stderr)

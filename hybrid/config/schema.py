@@ -157,6 +157,7 @@ class BenchConfig:
     prompt_lengths: List[int] = field(default_factory=lambda: [128, 512, 2048, 8192, 16384])
     ring_sweep: List[int] = field(default_factory=lambda: [2, 8, 32, 128])  # at the longest prompt
     cpu_max_tokens: int = 2048  # the CPU path is timed up to this prompt length
+    fp8_tiles: List[str] = field(default_factory=list)  # Triton tiles for prefill-sized rows to time, e.g. 128x256x64/8/3
 
     def __post_init__(self) -> None:
         if min(self.ms, default=1) < 1 or min(self.moe_tokens, default=1) < 1 or self.repeats < 1:

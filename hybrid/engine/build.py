@@ -88,9 +88,9 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
     long_prefill, chunk = None, 0
     if device.type == "cuda" and s.policy.moe_backend == "native":
         long_prefill = slp_context(s, model, device)
-        if a.fp8_block:
-            fp8_linear.warm_up([(a.moe_intermediate_size, a.hidden_size), (a.hidden_size, a.moe_intermediate_size)],
-                               device)
+        if a.fp8_block:  # gate+up fused, gate or up alone, down
+            fp8_linear.warm_up([(2 * a.moe_intermediate_size, a.hidden_size), (a.moe_intermediate_size, a.hidden_size),
+                                (a.hidden_size, a.moe_intermediate_size)], device)
         chunk = s.policy.slp_chunk_tokens or auto_chunk(model.args, kv_budget_bytes(s, device), slot_bytes(model))
     gen = Generator(model, s.policy.max_batch, s.policy.max_context, a.eos_token_id, device, long_prefill,
                     s.policy.slp_cutoff_tokens, chunk)

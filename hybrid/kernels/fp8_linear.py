@@ -12,6 +12,8 @@ Legend: M rows of x (tokens), N output features, K input features.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +27,45 @@ except ImportError:  # CPU-only installs
 
 BACKENDS = ("triton", "dequant")
 _backend = "triton"
+
+
+@dataclass(frozen=True)
+class Tile:
+    """The Triton kernel's tiling: BM x BN outputs per program, BK (64 or 128) of K per step, warps, pipeline
+    stages. Written "BMxBNxBK/warps/stages", e.g. "128x128x128/8/3"."""
+    bm: int
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+
+    @staticmethod
+    def parse(spec: str) -> "Tile":
+        try:
+            dims, warps, stages = spec.split("/")
+            bm, bn, bk = (int(v) for v in dims.split("x"))
+            tile = Tile(bm, bn, bk, int(warps), int(stages))
+        except ValueError:
+            raise ValueError(f"a Triton tile is BMxBNxBK/warps/stages (e.g. 128x128x128/8/3), got {spec!r}") from None
+        if bk not in (64, 128) or min(bm, bn) < 16 or any(v & (v - 1) for v in (bm, bn, tile.warps)):
+            raise ValueError(f"tile {spec!r}: BK must be 64 or 128, BM, BN (>= 16) and warps powers of two")
+        return tile
+
+    def __str__(self) -> str:
+        return f"{self.bm}x{self.bn}x{self.bk}/{self.warps}/{self.stages}"
+
+
+# by rows of x (tokens): decode-sized, a few hundred, prefill-sized
+TILES = {16: Tile(16, 128, 128, 4, 3), 256: Tile(64, 128, 128, 4, 3), None: Tile(128, 128, 128, 8, 3)}
+
+
+def tile_for(m: int) -> Tile:
+    return next(t for limit, t in TILES.items() if limit is None or m <= limit)
+
+
+def set_large_tile(spec: str) -> None:
+    """The tile for more than 256 rows (prefill); the benchmark sweeps it."""
+    TILES[None] = Tile.parse(spec)
 
 
 def set_backend(name: str) -> None:
@@ -58,10 +99,10 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block, out
     m = x_MK.shape[0]
     y_MN = out if out is not None and out.stride(-1) == 1 else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        bm = 16 if m <= 16 else 64 if m <= 256 else 128
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, 128))
+        t = tile_for(m)
+        grid = (triton.cdiv(m, t.bm), triton.cdiv(n, t.bn))
         _fp8_block_mm[grid](x_MK, q, scale, y_MN, m, n, k, x_MK.stride(0), q.stride(0), scale.stride(0),
-                            y_MN.stride(0), BM=bm, BN=128, BK=128, num_warps=4 if bm <= 64 else 8, num_stages=3)
+                            y_MN.stride(0), BM=t.bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages)
     if out is not None:
         return out if y_MN is out else out.copy_(y_MN)
     return y_MN.view(*x.shape[:-1], n)
@@ -88,13 +129,13 @@ if triton is not None:
         rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
         rk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BK)):
+        for kb in range(0, tl.cdiv(K, BK)):  # a 128-block's scale serves 128 // BK steps
             kk = kb * BK + rk
             a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
                         other=0.0)
             b = tl.load(q_ptr + rn[None, :] * sqn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K),
                         other=0.0)
-            s = tl.load(s_ptr + (rn // 128) * ssn + kb, mask=rn < N, other=0.0)
+            s = tl.load(s_ptr + (rn // 128) * ssn + (kb * BK) // 128, mask=rn < N, other=0.0)
             acc += tl.dot(a, b.to(tl.bfloat16)) * s[None, :]
         tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))

@@ -28,9 +28,35 @@ def test_cpu_takes_the_dequantising_path_and_matches_float64():
     assert _rel_err(y, ref) < 1e-2  # BF16 output rounding
 
 
+def test_tiles_parse_and_pick_by_rows():
+    assert str(fl.Tile.parse("128x256x64/8/4")) == "128x256x64/8/4"
+    for bad in ("128x128/8/3", "128x128x32/8/3", "96x128x128/8/3", "128x128x128/6/3", "big"):
+        with pytest.raises(ValueError, match="tile"):
+            fl.Tile.parse(bad)
+    assert fl.tile_for(1).bm == 16 and fl.tile_for(200).bm == 64 and fl.tile_for(5000) == fl.TILES[None]
+    default = fl.TILES[None]
+    try:
+        fl.set_large_tile("64x256x64/4/4")
+        assert fl.tile_for(5000) == fl.Tile(64, 256, 64, 4, 4) and fl.tile_for(200).bm == 64
+    finally:
+        fl.TILES[None] = default
+
+
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="policy.gpu_fp8_gemm"):
         fl.set_backend("cublas")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or fl.triton is None, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("tile", ["128x128x64/8/3", "128x256x64/8/3", "64x128x128/4/4"])
+def test_other_large_row_tiles_compute_the_same(tile):
+    x, q, s, ref = _case(700, 128 * 3 + 5, 128 * 4 + 70, "cuda")
+    default = fl.TILES[None]
+    try:
+        fl.set_large_tile(tile)
+        assert _rel_err(fl.fp8_linear(x, q, s, (128, 128)), ref) < 5e-3
+    finally:
+        fl.TILES[None] = default
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or fl.triton is None, reason="needs CUDA and Triton")
