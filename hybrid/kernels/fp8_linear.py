@@ -47,8 +47,10 @@ class Tile:
             tile = Tile(bm, bn, bk, int(warps), int(stages))
         except ValueError:
             raise ValueError(f"a Triton tile is BMxBNxBK/warps/stages (e.g. 128x128x128/8/3), got {spec!r}") from None
-        if bk not in (64, 128) or min(bm, bn) < 16 or any(v & (v - 1) for v in (bm, bn, tile.warps)):
-            raise ValueError(f"tile {spec!r}: BK must be 64 or 128, BM, BN (>= 16) and warps powers of two")
+        if (bk not in (64, 128) or min(bm, bn) < 16 or tile.stages < 1 or tile.warps < 1
+                or any(v & (v - 1) for v in (bm, bn, tile.warps))):
+            raise ValueError(f"tile {spec!r}: BK must be 64 or 128, BM, BN (>= 16) and warps powers of two, "
+                             "stages >= 1")
         return tile
 
     def __str__(self) -> str:

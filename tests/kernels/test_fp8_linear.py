@@ -30,7 +30,7 @@ def test_cpu_takes_the_dequantising_path_and_matches_float64():
 
 def test_tiles_parse_and_pick_by_rows():
     assert str(fl.Tile.parse("128x256x64/8/4")) == "128x256x64/8/4"
-    for bad in ("128x128/8/3", "128x128x32/8/3", "96x128x128/8/3", "128x128x128/6/3", "big"):
+    for bad in ("128x128/8/3", "128x128x32/8/3", "96x128x128/8/3", "128x128x128/6/3", "128x128x128/8/0", "big"):
         with pytest.raises(ValueError, match="tile"):
             fl.Tile.parse(bad)
     assert fl.tile_for(1).bm == 16 and fl.tile_for(200).bm == 64 and fl.tile_for(5000) == fl.TILES[None]
