@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from hybrid.engine.build import build, graphs_apply
 from hybrid.engine.profile import StepProfile
 from hybrid.errors import ConfigError
 from hybrid.kernels.membw import calibrate, read_roof
+
+if TYPE_CHECKING:
+    from hybrid.engine.cuda_graphs import GraphedDecode
 
 FULL_MOE_LAYERS, FULL_DENSE_LAYERS = 58, 3  # DeepSeek-V3: 61 layers, the first 3 dense
 DEVICE_PARTS = ("attention", "router", "shared_experts", "dense_mlp")

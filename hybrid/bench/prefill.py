@@ -12,7 +12,7 @@ import torch
 
 from hybrid.bench.gpu_profile import gpu_times
 from hybrid.bench.records import Record
-from hybrid.engine.build import build
+from hybrid.engine.build import build, expert_gemm_shapes
 from hybrid.errors import ConfigError
 from hybrid.kernels import fp8_linear
 from hybrid.prefill.slp import streaming
@@ -67,9 +67,7 @@ def _tile_sweep(engine, n: int, specs) -> list[Record]:
     """TTFT with each Triton tile for prefill-sized row counts (`bench.fp8_tiles`); the default is restored."""
     if not specs or fp8_linear.backend() != "triton" or fp8_linear.triton is None:
         return []
-    a, default = engine.model.args, fp8_linear.TILES[None]
-    shapes = [(2 * a.moe_intermediate_size, a.hidden_size), (a.hidden_size, a.moe_intermediate_size),
-              (a.moe_intermediate_size, a.hidden_size)]
+    default, shapes = fp8_linear.TILES[None], expert_gemm_shapes(engine.model.args)
     out = []
     try:
         for spec in specs:

@@ -88,9 +88,8 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
     long_prefill, chunk = None, 0
     if device.type == "cuda" and s.policy.moe_backend == "native":
         long_prefill = slp_context(s, model, device)
-        if a.fp8_block:  # gate+up fused, gate or up alone, down
-            fp8_linear.warm_up([(2 * a.moe_intermediate_size, a.hidden_size), (a.moe_intermediate_size, a.hidden_size),
-                                (a.hidden_size, a.moe_intermediate_size)], device)
+        if a.fp8_block:
+            fp8_linear.warm_up(expert_gemm_shapes(a), device)
         chunk = s.policy.slp_chunk_tokens or auto_chunk(model.args, kv_budget_bytes(s, device), slot_bytes(model))
     gen = Generator(model, s.policy.max_batch, s.policy.max_context, a.eos_token_id, device, long_prefill,
                     s.policy.slp_cutoff_tokens, chunk)
@@ -124,6 +123,12 @@ def hot_experts(s: HybridConfig, model: Transformer, device: torch.device) -> li
     for layer in layers:
         layer.attach_hot(HotExperts(layer.host_experts, n, device))
     return [layer.hot for layer in layers]
+
+
+def expert_gemm_shapes(a) -> list[tuple[int, int]]:
+    """The weight shapes [N, K] a streamed expert multiplies by: gate+up fused, gate or up alone, down."""
+    i, d = a.moe_intermediate_size, a.hidden_size
+    return [(2 * i, d), (i, d), (d, i)]
 
 
 def graphs_apply(s: HybridConfig, device: torch.device) -> bool:

@@ -97,17 +97,16 @@ class _SegmentCapture:
     """`segments`: a graph up to each hand-off's copies, one for the work that overlaps the CPU, one after."""
 
     def __init__(self, pool):
-        self.pool, self.jobs, self.steps = pool, [], []
-        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.pool, self.jobs, self.steps = pool, [], []  # the steps' bound replay methods keep the graphs alive
         self._open()
 
     def _open(self) -> None:
-        self.graphs.append(torch.cuda.CUDAGraph())
-        self.graphs[-1].capture_begin(pool=self.pool)
+        self.graph = torch.cuda.CUDAGraph()
+        self.graph.capture_begin(pool=self.pool)
 
     def _close(self) -> None:
-        self.graphs[-1].capture_end()
-        self.steps.append(self.graphs[-1].replay)
+        self.graph.capture_end()
+        self.steps.append(self.graph.replay)
 
     def handoff_start(self, op, x_h, ids_h, w_h, out_h):
         job = op.host_job(x_h, ids_h, w_h, out_h)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.kernels.fp8_linear import fp8_linear
+from hybrid.kernels.fp8_linear import stored_linear
 from hybrid.model.moe import RoutedExperts
 
 PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -60,10 +60,8 @@ class HotExperts(nn.Module):
         self.counts.index_add_(0, flat, torch.ones_like(flat, dtype=self.counts.dtype))
 
     def _linear(self, x: torch.Tensor, proj: str, j: int) -> torch.Tensor:
-        w = getattr(self, f"{proj}_w")[j]
-        if self.block is None:
-            return F.linear(x, w.to(x.dtype))
-        return fp8_linear(x, w, getattr(self, f"{proj}_s")[j], self.block)
+        scale = getattr(self, f"{proj}_s")[j] if self.block is not None else None
+        return stored_linear(x, getattr(self, f"{proj}_w")[j], scale, self.block)
 
     def route(self, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
         """(each token's weight on each slot [T, N], 0 where not picked; the ids left for the CPU, resident picks

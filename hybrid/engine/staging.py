@@ -49,10 +49,10 @@ class Staging:
 
     def reserve(self, rows: int) -> None:
         """The fixed buffers CUDA graphs copy into, for up to `rows` tokens (allocate before capturing)."""
-        if self._fixed is None or self._fixed.rows < rows:
-            if self._fixed is not None:
-                raise RuntimeError("staging for CUDA graphs is already allocated and must not move")
+        if self._fixed is None:
             self._fixed = _Buffers(rows, self.hidden, self.top_k, self.pin)
+        elif self._fixed.rows < rows:
+            raise RuntimeError("staging for CUDA graphs is already allocated and must not move")
 
     def _buffers(self, rows: int, fixed: bool) -> _Buffers:
         if fixed:

@@ -110,6 +110,14 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block, out
     return y_MN.view(*x.shape[:-1], n)
 
 
+def stored_linear(x: torch.Tensor, w: torch.Tensor, scale, block, out=None) -> torch.Tensor:
+    """x through a weight as checkpoints store it: BF16 (`block` None) or FP8 with block scales."""
+    if block is None:
+        y = F.linear(x, w.to(x.dtype))
+        return out.copy_(y) if out is not None else y
+    return fp8_linear(x, w, scale, block, out=out)
+
+
 def warm_up(shapes, device) -> None:
     """Compile the kernel's variants (one per row-tile size) for these weight shapes [N, K] now, so that a first
     prefill does not pay Triton's compilation (seconds) in its time to first token."""

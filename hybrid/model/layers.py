@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.kernels.fp8_linear import fp8_linear
+from hybrid.kernels.fp8_linear import stored_linear
 from hybrid.weights import fp8
 
 
@@ -44,9 +44,7 @@ class Linear(nn.Module):
         return fp8.dequantize(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.block is None:
-            return F.linear(x, self.weight.to(x.dtype))
-        return fp8_linear(x, self.weight, self.weight_scale_inv, self.block)
+        return stored_linear(x, self.weight, getattr(self, "weight_scale_inv", None), self.block)
 
 
 class MLP(nn.Module):

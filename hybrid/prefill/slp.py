@@ -27,7 +27,7 @@ from hybrid.engine.placement import CpuExperts, expert_tensors
 from hybrid.model.moe import Done, MoE
 from hybrid.prefill.events import PairedEvent
 from hybrid.prefill.ring import Ring, layout
-from hybrid.kernels.fp8_linear import fp8_linear
+from hybrid.kernels.fp8_linear import stored_linear
 
 # The loader and unloader need the GIL for a moment per expert while the model thread launches kernels; at
 # Python's default 5 ms switch interval a hand-off can wait longer than an expert's copy takes (~0.8 ms).
@@ -124,13 +124,12 @@ class Pipeline:
         w = self.ring.view(slot, f"{proj}.weight")
         if rows:
             w = self.ring.view(slot, f"{proj}.weight", (rows, w.shape[1]))
-        if self.block is None:
-            y = F.linear(x, w.to(x.dtype))
-            return out.copy_(y) if out is not None else y
-        s = self.ring.view(slot, f"{proj}.weight_scale_inv")
-        if rows:
-            s = self.ring.view(slot, f"{proj}.weight_scale_inv", (-(-rows // self.block[0]), s.shape[1]))
-        return fp8_linear(x, w, s, self.block, out=out)
+        s = None
+        if self.block is not None:
+            s = self.ring.view(slot, f"{proj}.weight_scale_inv")
+            if rows:
+                s = self.ring.view(slot, f"{proj}.weight_scale_inv", (-(-rows // self.block[0]), s.shape[1]))
+        return stored_linear(x, w, s, self.block, out=out)
 
     def activation(self, slot: int, x: torch.Tensor) -> torch.Tensor:
         """SiLU(gate(x)) ⊙ up(x): one GEMM over gate and up when they lie back to back in the slot."""
