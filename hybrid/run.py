@@ -12,23 +12,15 @@ from omegaconf import DictConfig
 from hybrid import tracking
 from hybrid.bench import plot_bench, run_bench
 from hybrid.bench.records import save, table
-from hybrid.config.compose import RUNS_DIR, to_settings
+from hybrid.config.compose import RUNS_DIR, settings_of
 from hybrid.config.schema import HwConfig, HybridConfig, Mode, OutputFormat
 from hybrid.engine.build import build
 from hybrid.engine.sampler import Sampling
-from hybrid.errors import ConfigError
 from hybrid.hw.check import resolve
 from hybrid.hw.detect import detect
 from hybrid.kernels import thread_pool
 from hybrid.kernels.dispatch import selected
 from hybrid.kernels.gemm import set_tile_min_tokens
-
-
-def settings_of(cfg: DictConfig) -> HybridConfig:
-    try:
-        return to_settings(cfg)
-    except Exception as e:  # omegaconf wraps the schema's __post_init__ errors
-        raise ConfigError(str(getattr(e, "msg", e)).splitlines()[0]) from e
 
 
 def run(cfg: DictConfig) -> dict:

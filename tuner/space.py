@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from tuner.config import Direction, KnobType, Objective, TuneConfig
+from tuner.config import KnobType, Objective, TuneConfig
 
 
 def resolve(cfg: TuneConfig, cores: int, kernels: list[str]) -> dict[str, dict[str, Any]]:
@@ -118,6 +118,3 @@ def as_override_value(value: Any) -> str:
         return value if value.replace("_", "").isalnum() else json.dumps(value)
     return str(value)
 
-
-def is_better(direction: str, a: float, b: float) -> bool:
-    return a > b if direction == Direction.maximize.value else a < b

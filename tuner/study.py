@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from hybrid import tracking
 from hybrid.bench.slo import TRIAL_ENV
-from hybrid.config.compose import CONF_DIR, RUNS_DIR, to_settings
+from hybrid.config.compose import CONF_DIR, RUNS_DIR, settings_of
 from hybrid.errors import ConfigError
 from tuner import plots, policy as policy_file, space as sp, trial as trial_run
 from tuner.config import TuneConfig
@@ -84,11 +84,7 @@ def feasible(t) -> bool:
 
 class Tuner:
     def __init__(self, cfg_dc: DictConfig, task_overrides: list[str]):
-        try:
-            self.cfg: TuneConfig = to_settings(cfg_dc)
-        except Exception as e:  # omegaconf wraps the schemas' checks
-            raise ConfigError(str(getattr(e, "msg", e)).splitlines()[0]) from e
-        self.cfg_dc = cfg_dc
+        self.cfg: TuneConfig = settings_of(cfg_dc)
         cfg, t = self.cfg, self.cfg.tuner
         if cfg.hw.name == "auto":
             raise ConfigError("the tuner tunes the policy of a hardware profile: give +hw=NAME (conf/hw/), the "
@@ -113,7 +109,6 @@ class Tuner:
                                     cfg.tracking.enabled)
         self._pending: dict[int, tuple] = {}
         self.started = time.monotonic()
-        self.ran = 0
 
     # ------------------------------------------------------------------------------------------------ study
     def open_study(self):
@@ -207,7 +202,6 @@ class Tuner:
             trial.set_user_attr("failure", "interrupted")
             raise
         self._pending[trial.number] = (out, shown, run_id, log)
-        self.ran += 1
         trial.set_user_attr("outcome", out.status)
         trial.set_user_attr("seconds", round(out.seconds, 3))
         trial.set_user_attr("metrics", out.metrics)

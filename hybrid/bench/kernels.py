@@ -18,6 +18,7 @@ import torch
 
 from hybrid.bench.records import Record
 from hybrid.bench.timing import best_per_call, calls_for
+from hybrid.hw.detect import meminfo_bytes
 from hybrid.kernels.dispatch import selected
 from hybrid.kernels.gemm import gemm
 from hybrid.kernels.membw import calibrate, read_roof
@@ -33,9 +34,7 @@ def _log(msg: str) -> None:
 
 
 def _memory_gb() -> float:
-    with open("/proc/meminfo") as f:
-        avail = next(line for line in f if line.startswith("MemAvailable"))
-    return int(avail.split()[1]) * 1024 / GB
+    return meminfo_bytes("MemAvailable") / GB
 
 
 def _scales(rng, n: int, k: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ from typing import Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from hybrid.config.schema import HybridConfig, register
+from hybrid.errors import ConfigError
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
 CONF_DIR = Path(os.environ.get("HYBRID_CONF_DIR", PROJECT_DIR / "conf"))  # another conf/ tree: tests, the tuner's
@@ -30,6 +31,14 @@ def to_settings(cfg: DictConfig) -> HybridConfig:
     settings = OmegaConf.to_object(cfg)
     _refuse_unknown(settings, "")
     return settings
+
+
+def settings_of(cfg: DictConfig) -> HybridConfig:
+    """to_settings, with a schema check's failure as one line of ConfigError (what a user sees)."""
+    try:
+        return to_settings(cfg)
+    except Exception as e:  # omegaconf wraps the schema's __post_init__ errors
+        raise ConfigError(str(getattr(e, "msg", e)).splitlines()[0]) from e
 
 
 def _refuse_unknown(obj, prefix: str) -> None:

@@ -14,6 +14,7 @@ from hybrid.engine.hot_experts import HotExperts
 from hybrid.engine.placement import cpu_experts, expert_tensors, experts_to_cpu_kernels, pin_experts, place
 from hybrid.engine.staging import Staging
 from hybrid.errors import ConfigError
+from hybrid.hw.detect import meminfo_bytes
 from hybrid.kernels import fp8_linear
 from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
@@ -32,7 +33,6 @@ class Engine:
     generator: Generator
     device: torch.device
     staging: Staging
-    device_weight_bytes: int
 
 
 def compute_device(hw: HwConfig) -> torch.device:
@@ -46,9 +46,7 @@ def kv_budget_bytes(s: HybridConfig, device: torch.device) -> float:
         if s.policy.gpu_memory_budget_gb:
             return min(free, s.policy.gpu_memory_budget_gb * 1e9 - torch.cuda.memory_allocated(device))
         return free - GPU_RESERVE
-    with open("/proc/meminfo") as f:
-        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
-    return avail - CPU_RESERVE
+    return meminfo_bytes("MemAvailable") - CPU_RESERVE
 
 
 def check_kv_cache(s: HybridConfig, model: Transformer, device: torch.device) -> int:
@@ -84,6 +82,8 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
         raise ConfigError("policy.deferred_experts needs policy.moe_backend=native")
     hot = hot_experts(s, model, device)
     weight_bytes = place(model, device, s.policy.gpu_weights) + sum(h.nbytes for h in hot)
+    if device.type == "cuda":
+        print(f"GPU side: {weight_bytes / 1e9:.2f} GB of weights", file=sys.stderr)
     check_kv_cache(s, model, device)
     long_prefill, chunk = None, 0
     if device.type == "cuda" and s.policy.moe_backend == "native":
@@ -99,7 +99,7 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
         from hybrid.engine.cuda_graphs import GraphedDecode  # GPU only: loads the CUDA driver's entry point
 
         gen.decode_step = GraphedDecode(model, gen.cache, staging, s.policy.cuda_graphs, s.policy.max_batch)
-    return Engine(model, tok, gen, device, staging, weight_bytes)
+    return Engine(model, tok, gen, device, staging)
 
 
 def hot_experts(s: HybridConfig, model: Transformer, device: torch.device) -> list[HotExperts]:

@@ -85,11 +85,16 @@ def cpuinfo_model(path: Path) -> str:
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
 
 
-def mem_total_gb(path: Path) -> float:
+def meminfo_bytes(key: str, path: Path = PROC / "meminfo") -> int:
+    """A /proc/meminfo field (MemTotal, MemAvailable, ...) in bytes."""
     for line in path.read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024 / 1e9
-    raise RuntimeError(f"no MemTotal in {path}")
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in {path}")
+
+
+def mem_total_gb(path: Path) -> float:
+    return meminfo_bytes("MemTotal", path) / 1e9
 
 
 def cuda_gpus() -> tuple[Gpu, ...]:

@@ -59,11 +59,11 @@ class MLA(nn.Module):
         kv_BTC, pe_BTR = kv_BTC.to(x_BSD.dtype), pe_BTR.to(x_BSD.dtype)
 
         w_HXC = self.kv_b_proj.dense_weight(x_BSD.dtype).view(a.num_attention_heads, -1, a.kv_lora_rank)
-        visible_BST = key_pos_BT[:, None, :] <= pos_BS[:, :, None]
+        # a chunk covering every key from position 0 (a whole prompt) is plain causal: no mask needed
+        causal = S > 1 and S == kv_BTC.shape[1] and (cache is None or kv_len == S)
+        visible_BST = None if causal else key_pos_BT[:, None, :] <= pos_BS[:, :, None]
         if S > 1:
-            # a chunk covering every key from position 0 (a whole prompt) is plain causal: no mask needed
-            causal = S == kv_BTC.shape[1] and (cache is None or kv_len == S)
-            o_BSHV = self._expanded(q_nope_BSHN, q_pe_BSHR, kv_BTC, pe_BTR, w_HXC, None if causal else visible_BST)
+            o_BSHV = self._expanded(q_nope_BSHN, q_pe_BSHR, kv_BTC, pe_BTR, w_HXC, visible_BST)
         else:
             o_BSHV = self._absorbed(q_nope_BSHN, q_pe_BSHR, kv_BTC, pe_BTR, w_HXC, visible_BST)
         return self.o_proj(o_BSHV.flatten(2))

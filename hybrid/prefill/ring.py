@@ -55,10 +55,6 @@ class Ring:
         self.log: list[tuple[str, int, object]] = []  # (event, slot, tag): write / off
         self._lock = threading.Lock()
 
-    @property
-    def nbytes(self) -> int:
-        return self.memory.numel()
-
     def view(self, slot: int, name: str, shape: Optional[tuple[int, ...]] = None) -> torch.Tensor:
         """The tensor `name` in `slot`; with `shape`, that many elements from its start (spanning the next field
         when the two are contiguous)."""
