@@ -54,12 +54,17 @@ def is_local(uri: str) -> bool:
     return uri.startswith(("sqlite:", "file:", "/")) or "://" not in uri
 
 
+def ensure_sqlite_dir(uri: str) -> None:
+    """A sqlite store's folder must exist before the first connection."""
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+
+
 def client(t: TrackingConfig):
     from mlflow.tracking import MlflowClient
 
     uri = tracking_uri(t)
-    if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    ensure_sqlite_dir(uri)
     return MlflowClient(tracking_uri=uri)
 
 
@@ -258,8 +263,7 @@ def ui(port: int = 5000, uri: str = "", artifacts: str = "") -> int:
 
     t = TrackingConfig(uri=uri, artifact_root=artifacts)
     store = tracking_uri(t)
-    if store.startswith("sqlite:///"):
-        Path(store[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    ensure_sqlite_dir(store)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", store,
            "--default-artifact-root", artifact_root(t).as_uri(), "--host", "127.0.0.1", "--port", str(port)]
     print(f"MLflow UI for {store} on http://127.0.0.1:{port} (Ctrl-C stops it)", flush=True)

@@ -128,8 +128,7 @@ class Tuner:
         from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
         t = self.cfg.tuner
-        if self.url.startswith("sqlite:///"):
-            Path(self.url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        tracking.ensure_sqlite_dir(self.url)
         engine_kwargs = {"connect_args": {"timeout": 60}} if self.url.startswith("sqlite") else {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # heartbeat_interval is "experimental"

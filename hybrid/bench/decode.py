@@ -24,11 +24,13 @@ from hybrid.engine.build import build, graphs_apply
 from hybrid.engine.profile import StepProfile
 from hybrid.errors import ConfigError
 from hybrid.kernels.membw import calibrate, read_roof
+from hybrid.weights.presets import DEEPSEEK_V3
 
 if TYPE_CHECKING:
     from hybrid.engine.cuda_graphs import GraphedDecode
 
-FULL_MOE_LAYERS, FULL_DENSE_LAYERS = 58, 3  # DeepSeek-V3: 61 layers, the first 3 dense
+FULL_DENSE_LAYERS = DEEPSEEK_V3["first_k_dense_replace"]  # the full model projected to: 61 layers, 3 dense
+FULL_MOE_LAYERS = DEEPSEEK_V3["num_hidden_layers"] - FULL_DENSE_LAYERS
 DEVICE_PARTS = ("attention", "router", "shared_experts", "dense_mlp")
 HOST_PARTS = ("stage", "cpu_moe", "wait", "to_device")
 
@@ -89,8 +91,7 @@ def run(settings) -> list[Record]:
         raise ConfigError(f"bench.batch={cfg.batch} exceeds policy.max_batch={s.policy.max_batch}")
     engine = build(s, s.hw, progress=sys.stderr.isatty())
     a = engine.model.args
-    n_moe = a.num_hidden_layers - a.first_k_dense_replace
-    expert_bytes = 3 * a.hidden_size * a.moe_intermediate_size * (1 if a.fp8_block else 2)
+    n_moe, expert_bytes = a.n_moe_layers, a.expert_bytes
     streams, _ = calibrate(cfg.roof_gb)
     roof = read_roof(cfg.roof_gb, 5, streams)
     print(f"decode on {engine.device}: {n_moe} MoE layers, roof {roof:.1f} GB/s", file=sys.stderr)

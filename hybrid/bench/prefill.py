@@ -10,14 +10,13 @@ import time
 
 import torch
 
+from hybrid.bench.decode import FULL_MOE_LAYERS
 from hybrid.bench.gpu_profile import gpu_times
 from hybrid.bench.records import Record
 from hybrid.engine.build import build, expert_gemm_shapes
 from hybrid.errors import ConfigError
 from hybrid.kernels import fp8_linear
 from hybrid.prefill.slp import streaming
-
-FULL_MOE_LAYERS = 58
 
 
 def h2d_rate(gigabytes: float = 1.0) -> float:
@@ -108,8 +107,7 @@ def run(settings) -> list[Record]:
     if max(cfg.prompt_lengths) > s.policy.max_context:
         raise ConfigError(f"bench.prompt_lengths reach {max(cfg.prompt_lengths)}: raise policy.max_context")
     a = engine.model.args
-    n_moe = a.num_hidden_layers - a.first_k_dense_replace
-    expert_bytes = 3 * a.hidden_size * a.moe_intermediate_size * (1 if a.fp8_block else 2)
+    n_moe, expert_bytes = a.n_moe_layers, a.expert_bytes
     h2d, mm = h2d_rate(), matmul_rate()
     print(f"pinned H2D {h2d:.1f} GB/s, BF16 matmul {mm:.0f} TFLOP/s", file=sys.stderr)
     records = [Record("h2d_pinned", h2d, "GB/s"), Record("gpu_bf16_matmul", mm, "TFLOP/s")]

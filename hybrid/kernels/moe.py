@@ -15,6 +15,15 @@ from hybrid.kernels.dispatch import kernel_name
 from hybrid.kernels.view import view
 
 
+def _prepare(x_TD, ids_TK, weights_TK, out_TD):
+    """The types the native op takes (no copy when they already are), and an output if none is given."""
+    x_TD = x_TD.to(torch.bfloat16).contiguous()
+    ids_TK, weights_TK = ids_TK.contiguous(), weights_TK.to(torch.float32).contiguous()
+    if out_TD is None:
+        out_TD = torch.empty(x_TD.shape, dtype=torch.float32)
+    return x_TD, ids_TK, weights_TK, out_TD
+
+
 class CpuMoE:
     def __init__(self, gate: Sequence[torch.Tensor], up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
                  gate_scale: Sequence[torch.Tensor] = (), up_scale: Sequence[torch.Tensor] = (),
@@ -28,10 +37,7 @@ class CpuMoE:
     def submit(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                out_TD: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Start the layer on the CPU threads and return at once; `wait()` before reading the result."""
-        x_TD = x_TD.to(torch.bfloat16).contiguous()
-        ids_TK, weights_TK = ids_TK.contiguous(), weights_TK.to(torch.float32).contiguous()
-        if out_TD is None:
-            out_TD = torch.empty(x_TD.shape, dtype=torch.float32)
+        x_TD, ids_TK, weights_TK, out_TD = _prepare(x_TD, ids_TK, weights_TK, out_TD)
         self._op.submit(view(x_TD), view(ids_TK), view(weights_TK), view(out_TD), kernel_name(self.kernel))
         self._inflight = (x_TD, ids_TK, weights_TK, out_TD)  # alive until wait(); only once accepted: a refused
         return out_TD                                           # submit must not drop a running call's tensors
@@ -50,10 +56,7 @@ class CpuMoE:
 
     def __call__(self, x_TD, ids_TK, weights_TK, out_TD=None) -> torch.Tensor:
         """Synchronous: the calling thread works alongside the pool's workers."""
-        x_TD = x_TD.to(torch.bfloat16).contiguous()
-        ids_TK, weights_TK = ids_TK.contiguous(), weights_TK.to(torch.float32).contiguous()
-        if out_TD is None:
-            out_TD = torch.empty(x_TD.shape, dtype=torch.float32)
+        x_TD, ids_TK, weights_TK, out_TD = _prepare(x_TD, ids_TK, weights_TK, out_TD)
         self._op.forward(view(x_TD), view(ids_TK), view(weights_TK), view(out_TD), kernel_name(self.kernel))
         return out_TD
 

@@ -84,6 +84,15 @@ class ModelArgs:
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
 
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(map(self.is_moe_layer, range(self.num_hidden_layers)))
+
+    @property
+    def expert_bytes(self) -> int:
+        """One routed expert's weights as stored (gate, up, down; FP8 or BF16; scales left out)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size * (1 if self.fp8_block else 2)
+
     @staticmethod
     def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> "ModelArgs":
         _check_architecture(cfg, source)

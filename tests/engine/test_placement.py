@@ -56,8 +56,13 @@ def test_async_start_overlaps_the_callers_work(tiny_dir):
     x = torch.randn(3, 256)
     w, ids = moe.gate(x)
     pending = moe.experts.start(x, w, ids)
+    assert moe.experts.op._inflight is not None, "start() returns with the layer still on the CPU threads"
     shared = moe.shared_experts(x)  # runs while the CPU threads work
-    assert torch.equal(pending.result(), moe.experts(x, w, ids)) and shared.shape == x.shape
+    got = pending.result()
+    assert moe.experts.op._inflight is None
+    want = moe.experts.host_experts(x, w, ids)  # the torch definition over the same weights
+    assert torch.allclose(got, want, atol=NATIVE_ATOL, rtol=NATIVE_RTOL)
+    assert torch.equal(shared, moe.shared_experts(x))
 
 
 def _reference_deferral(model, deferred: int):
