@@ -31,7 +31,14 @@ def _prefill(settings) -> list[Record]:
     return run(settings)
 
 
-BENCHES: dict[str, Callable] = {"kernels": _kernels, "slo": _slo, "decode": _decode, "prefill": _prefill}
+def _gpu_gemm(settings) -> list[Record]:
+    from hybrid.bench.gpu_gemm import run
+
+    return run(settings)
+
+
+BENCHES: dict[str, Callable] = {"kernels": _kernels, "slo": _slo, "decode": _decode, "prefill": _prefill,
+                                "gpu_gemm": _gpu_gemm}
 
 
 def plot_bench(name: str, records: list[Record], json_path) -> Optional[Path]:

@@ -13,9 +13,9 @@ def _device_us(row) -> float:
     return 0.0
 
 
-def gpu_times(fn: Callable[[], object], top: int = 15) -> tuple[float, dict, str]:
+def gpu_times(fn: Callable[[], object], top: int = 15, trace=None) -> tuple[float, dict, str]:
     """fn() under the profiler: its wall seconds, GPU seconds in kernels and in host-to-device copies (summed over
-    streams), and a table of the `top` rows by GPU time."""
+    streams), and a table of the `top` rows by GPU time; the timeline saved as a Chrome trace at `trace` if given."""
     import torch
     from torch.profiler import DeviceType, ProfilerActivity, profile
 
@@ -25,6 +25,8 @@ def gpu_times(fn: Callable[[], object], top: int = 15) -> tuple[float, dict, str
         fn()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
     rows = [r for r in prof.key_averages() if r.device_type == DeviceType.CUDA]
     kernels = sum(_device_us(r) for r in rows if not r.key.startswith(("Memcpy", "Memset")))
     h2d = sum(_device_us(r) for r in rows if r.key.startswith("Memcpy HtoD"))

@@ -5,14 +5,17 @@ rate), both rates measured in this run. SLP moves every expert of every MoE laye
 """
 from __future__ import annotations
 
+import json
 import sys
 import time
 
 import torch
 
 from hybrid.bench.decode import FULL_MOE_LAYERS
+from hybrid.bench import timeline
 from hybrid.bench.gpu_profile import gpu_times
 from hybrid.bench.records import Record
+from hybrid.config.compose import RUNS_DIR
 from hybrid.engine.build import build, expert_gemm_shapes
 from hybrid.errors import ConfigError
 from hybrid.kernels import fp8_linear
@@ -64,10 +67,11 @@ def _ttft(engine, n: int, ring_len=None) -> float:
 
 def _tile_sweep(engine, n: int, specs) -> list[Record]:
     """TTFT with each Triton tile for prefill-sized row counts (`bench.fp8_tiles`); the default is restored."""
-    if not specs or fp8_linear.backend() != "triton" or fp8_linear.triton is None:
+    if not specs or fp8_linear.triton is None:
         return []
     default, shapes = fp8_linear.TILES[None], expert_gemm_shapes(engine.model.args)
-    out = []
+    chosen, out = fp8_linear.backend(), []
+    fp8_linear.set_backend("triton")  # every row count through the FP8 GEMM
     try:
         for spec in specs:
             fp8_linear.set_large_tile(spec)
@@ -76,6 +80,7 @@ def _tile_sweep(engine, n: int, specs) -> list[Record]:
                               extra={"tile": str(fp8_linear.TILES[None]), "default": str(default)}))
     finally:
         fp8_linear.TILES[None] = default
+        fp8_linear.set_backend(chosen)
     return out
 
 
@@ -131,7 +136,7 @@ def run(settings) -> list[Record]:
         records.append(Record("slp_ring_sweep", t, "s", None, longest, extra={"ring_len": ring}))
     chosen = fp8_linear.backend()
     try:
-        for gemm in fp8_linear.BACKENDS:  # the FP8 math on the streamed experts: FP8 GEMM vs dequantise
+        for gemm in fp8_linear.BACKENDS:  # the FP8 math on the streamed experts: FP8 GEMM, dequantise, by rows
             fp8_linear.set_backend(gemm)
             t = _ttft(engine, longest)
             records.append(Record("slp_fp8_gemm", t, "s", None, longest, extra={
@@ -140,9 +145,16 @@ def run(settings) -> list[Record]:
     finally:
         fp8_linear.set_backend(chosen)
     records += _tile_sweep(engine, longest, cfg.fp8_tiles)
-    t, busy, table = gpu_times(lambda: _ttft(engine, longest))
+    trace = None
+    if cfg.trace:
+        trace = RUNS_DIR / "bench" / f"prefill-{time.strftime('%Y%m%d-%H%M%S')}.trace.json.gz"
+        trace.parent.mkdir(parents=True, exist_ok=True)
+    t, busy, table = gpu_times(lambda: _ttft(engine, longest), trace=trace)
     print(f"stream-loading prefill of {longest} tokens under the profiler ({t:.3f} s), top GPU rows:\n{table}",
           file=sys.stderr)
+    if trace is not None:
+        print(f"timeline: {trace} (python -m hybrid.bench.timeline {trace})", file=sys.stderr)
+        print(json.dumps(timeline.summarise(timeline.load(trace))), file=sys.stderr)
     records += [
         Record("slp_gpu_busy_fraction", busy["kernels_s"] / t, "fraction", None, longest,
                extra={"kernels_s": busy["kernels_s"], "profiled_ttft_s": t,

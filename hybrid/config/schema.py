@@ -98,7 +98,8 @@ class PolicyConfig:
     deferred_experts: int = 0  # experts deferred to overlap the next layer (changes outputs slightly)
     gpu_memory_budget_gb: float = 0.0  # GPU memory the engine may hold; 0 = all free memory less a reserve
     cuda_graphs: str = "hostfn"  # decode under CUDA graphs: hostfn (one graph, CPU hand-off as host nodes) | segments | off
-    gpu_fp8_gemm: str = "triton"  # FP8 weights on the GPU (streamed experts, gpu_weights=fp8): triton | dequant
+    gpu_fp8_gemm: str = "triton"  # FP8 weights on the GPU (streamed experts, gpu_weights=fp8): triton | dequant | auto
+    gpu_fp8_dequant_rows: int = 512  # auto: from this many rows, dequantise + cuBLAS instead of the FP8 GEMM
     gpu_weights: str = "dense"  # FP8 weights of the GPU side: dense (dequantised once) | fp8 (kept; dequantised per use)
 
     def __post_init__(self) -> None:
@@ -108,8 +109,8 @@ class PolicyConfig:
             raise ValueError(f"policy.gpu_weights must be dense or fp8, got {self.gpu_weights!r}")
         if self.cuda_graphs not in ("hostfn", "segments", "off"):
             raise ValueError(f"policy.cuda_graphs must be hostfn, segments or off, got {self.cuda_graphs!r}")
-        if self.gpu_fp8_gemm not in ("triton", "dequant"):
-            raise ValueError(f"policy.gpu_fp8_gemm must be triton or dequant, got {self.gpu_fp8_gemm!r}")
+        if self.gpu_fp8_gemm not in ("auto", "triton", "dequant"):
+            raise ValueError(f"policy.gpu_fp8_gemm must be auto, triton or dequant, got {self.gpu_fp8_gemm!r}")
         if self.moe_backend not in ("native", "torch"):
             raise ValueError(f"policy.moe_backend must be native or torch, got {self.moe_backend!r}")
         if self.cpu_kernel not in ("auto", "avx512_bf16", "avx2", "generic"):
@@ -120,7 +121,7 @@ class PolicyConfig:
                      "deferred_experts"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"policy.{knob} must be >= 0, got {getattr(self, knob)}")
-        for knob in ("batch_cap", "max_batch", "max_context", "cpu_gemm_tile_tokens"):
+        for knob in ("batch_cap", "max_batch", "max_context", "cpu_gemm_tile_tokens", "gpu_fp8_dequant_rows"):
             if getattr(self, knob) < 1:
                 raise ValueError(f"policy.{knob} must be >= 1, got {getattr(self, knob)}")
         if self.batch_cap > self.max_batch:
@@ -158,9 +159,12 @@ class BenchConfig:
     ring_sweep: List[int] = field(default_factory=lambda: [2, 8, 32, 128])  # at the longest prompt
     cpu_max_tokens: int = 2048  # the CPU path is timed up to this prompt length
     fp8_tiles: List[str] = field(default_factory=list)  # Triton tiles for prefill-sized rows to time, e.g. 128x256x64/8/3
+    # gpu_gemm: the GPU ways through one expert's FP8 weights (fp8_tiles above; hidden, inter, repeats)
+    gemm_rows: List[int] = field(default_factory=lambda: [128, 256, 512, 1024, 2048, 4096, 8192])
+    trace: bool = False  # prefill: save the profiled run's timeline (Chrome trace, .trace.json.gz beside the results)
 
     def __post_init__(self) -> None:
-        if min(self.ms, default=1) < 1 or min(self.moe_tokens, default=1) < 1 or self.repeats < 1:
+        if min([*self.ms, *self.moe_tokens, *self.gemm_rows], default=1) < 1 or self.repeats < 1:
             raise ValueError("bench: token counts and repeats must be >= 1")
         for knob in ("prompt_tokens", "new_tokens", "batch"):
             if getattr(self, knob) < 1:

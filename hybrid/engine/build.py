@@ -66,10 +66,10 @@ def check_kv_cache(s: HybridConfig, model: Transformer, device: torch.device) ->
 
 def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
     device = compute_device(hw)
-    fp8_linear.set_backend(s.policy.gpu_fp8_gemm)
-    if device.type == "cuda" and s.policy.gpu_fp8_gemm == "triton" and fp8_linear.triton is None:
-        print("note: Triton is not installed: FP8 weights on the GPU are dequantised before use "
-              "(policy.gpu_fp8_gemm=triton needs it)", file=sys.stderr)
+    fp8_linear.set_backend(s.policy.gpu_fp8_gemm, s.policy.gpu_fp8_dequant_rows)
+    if device.type == "cuda" and fp8_linear.triton is None:
+        print("note: Triton is not installed: FP8 weights on the GPU are dequantised with torch ops before use "
+              f"(policy.gpu_fp8_gemm={s.policy.gpu_fp8_gemm} needs it)", file=sys.stderr)
     model, tok = models.load(s.model, progress)
     a = model.args
     staging = Staging(a.hidden_size, a.num_experts_per_tok, pin=device.type == "cuda")
@@ -154,7 +154,7 @@ def slp_context(s: HybridConfig, model: Transformer, device: torch.device):
 
     def context(tokens: int):
         budget = kv_budget_bytes(s, device) - activation_bytes(model.args, tokens)
-        ring_len = (auto_ring_len(tokens, model.args.n_routed_experts, slot, budget)
+        ring_len = (auto_ring_len(model.args.n_routed_experts, slot, budget)
                     if s.policy.ring_len == "auto" else int(s.policy.ring_len))
         return streaming(model, device, ring_len, budget)
     return context

@@ -4,9 +4,11 @@ Two ways, chosen by `policy.gpu_fp8_gemm` (set_backend):
 - `triton`: a Triton GEMM that reads the FP8 weights directly, converts each tile to BF16 in registers, multiplies
   on the tensor cores with FP32 accumulation and applies the block's scale once per 128-wide K block (post-scaling,
   as the CPU kernels do). Nothing is written besides y.
-- `dequant`: expand the weights to the activation dtype (q·s, a full-size temporary), then torch's matmul.
-Activations stay BF16 either way (no activation quantisation). The Triton path needs CUDA, Triton, BF16
-activations and 128×128 blocks; anything else takes `dequant`, which also serves the CPU.
+- `dequant`: expand the weights to the activation dtype (q·s, a full-size temporary; one Triton pass on a GPU),
+  then torch's matmul (cuBLAS). Costs a write and a read of the BF16 weights per call, which many rows amortise.
+- `auto`: `triton` below `dequant_from_rows` rows of x, `dequant` from there.
+Activations stay BF16 either way (no activation quantisation). The Triton kernels need CUDA, Triton, BF16
+activations and 128×128 blocks; anything else dequantises with torch ops, which also serves the CPU.
 
 Legend: M rows of x (tokens), N output features, K input features.
 """
@@ -25,8 +27,9 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-BACKENDS = ("triton", "dequant")
+BACKENDS = ("triton", "dequant", "auto")
 _backend = "triton"
+_dequant_from_rows = 512
 
 
 @dataclass(frozen=True)
@@ -70,10 +73,14 @@ def set_large_tile(spec: str) -> None:
     TILES[None] = Tile.parse(spec)
 
 
-def set_backend(name: str) -> None:
-    global _backend
+def set_backend(name: str, dequant_from_rows: int | None = None) -> None:
+    global _backend, _dequant_from_rows
     if name not in BACKENDS:
         raise ValueError(f"policy.gpu_fp8_gemm must be one of {BACKENDS}, got {name!r}")
+    if dequant_from_rows is not None:
+        if dequant_from_rows < 1:
+            raise ValueError(f"policy.gpu_fp8_dequant_rows must be >= 1, got {dequant_from_rows}")
+        _dequant_from_rows = int(dequant_from_rows)
     _backend = name
 
 
@@ -81,24 +88,52 @@ def backend() -> str:
     return _backend
 
 
-def triton_applies(x: torch.Tensor, block) -> bool:
-    return (_backend == "triton" and triton is not None and x.is_cuda and x.dtype == torch.bfloat16
-            and tuple(block) == (128, 128))
+def path(x: torch.Tensor, block, m: int) -> str:
+    """How m rows of x go through FP8 weights: `triton` (the FP8 GEMM), `dequant` (Triton dequantise + cuBLAS) or
+    `torch` (torch ops dequantise: CPU, other dtypes or blocks, no Triton)."""
+    if triton is None or not x.is_cuda or x.dtype != torch.bfloat16 or tuple(block) != (128, 128):
+        return "torch"
+    if _backend == "triton" or (_backend == "auto" and m < _dequant_from_rows):
+        return "triton"
+    return "dequant"
 
 
-def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block, out=None) -> torch.Tensor:
-    """x [..., K] -> [..., N]; `out` (2-D [M, N], rows contiguous) receives it when given."""
-    if not triton_applies(x, block):
-        y = F.linear(x, fp8.dequantize(q, scale, block, x.dtype))
-        return out.copy_(y.view(out.shape)) if out is not None else y
+def _check_layout(q: torch.Tensor, scale: torch.Tensor, block) -> None:
     n, k = q.shape
     if q.stride(1) != 1 or scale.stride(1) != 1 or tuple(scale.shape) != fp8.scale_shape((n, k), block):
         raise ValueError(f"fp8_linear: weights {tuple(q.shape)} and scales {tuple(scale.shape)} must be row-major "
                          f"with one scale per 128x128 block ({fp8.scale_shape((n, k), block)})")
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block, dtype=torch.bfloat16) -> torch.Tensor:
+    """q·s as `dtype` (fp8.dequantize's arithmetic: the product in FP32, then one rounding); one Triton pass on a
+    GPU with 128×128 blocks."""
+    if triton is None or not q.is_cuda or tuple(block) != (128, 128):
+        return fp8.dequantize(q, scale, block, dtype)
+    _check_layout(q, scale, block)
+    n, k = q.shape
+    w = torch.empty(n, k, dtype=dtype, device=q.device)
+    if w.numel():
+        _fp8_dequant[(triton.cdiv(n, 128), triton.cdiv(k, 128))](q, scale, w, n, k, q.stride(0), scale.stride(0),
+                                                                 w.stride(0), num_warps=4)
+    return w
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block, out=None) -> torch.Tensor:
+    """x [..., K] -> [..., N]; `out` (2-D [M, N], rows contiguous) receives it when given."""
+    n, k = q.shape
+    m = x.numel() // k if k else 0
+    how = path(x, block, m)
+    if how != "triton":
+        w = dequantize(q, scale, block, x.dtype) if how == "dequant" else fp8.dequantize(q, scale, block, x.dtype)
+        if out is not None and how == "dequant" and out.is_contiguous():
+            return torch.mm(x.reshape(m, k), w.t(), out=out)
+        y = F.linear(x, w)
+        return out.copy_(y.view(out.shape)) if out is not None else y
+    _check_layout(q, scale, block)
     x_MK = x.reshape(-1, k)
     if x_MK.stride(-1) != 1:
         x_MK = x_MK.contiguous()
-    m = x_MK.shape[0]
     y_MN = out if out is not None and out.stride(-1) == 1 else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         t = tile_for(m)
@@ -121,13 +156,19 @@ def stored_linear(x: torch.Tensor, w: torch.Tensor, scale, block, out=None) -> t
 def warm_up(shapes, device) -> None:
     """Compile the kernel's variants (one per row-tile size) for these weight shapes [N, K] now, so that a first
     prefill does not pay Triton's compilation (seconds) in its time to first token."""
-    if triton is None or _backend != "triton" or torch.device(device).type != "cuda":
+    if triton is None or torch.device(device).type != "cuda":
         return
-    for n, k in shapes:
-        q = torch.zeros(n, k, dtype=fp8.FP8, device=device)
-        s = torch.ones(-(-n // 128), -(-k // 128), dtype=torch.float32, device=device)
-        for m in (1, 64, 512):
-            fp8_linear(torch.zeros(m, k, dtype=torch.bfloat16, device=device), q, s, (128, 128))
+    chosen = _backend
+    try:
+        for n, k in shapes:
+            q = torch.zeros(n, k, dtype=fp8.FP8, device=device)
+            s = torch.ones(-(-n // 128), -(-k // 128), dtype=torch.float32, device=device)
+            for how, rows in (("triton", (1, 64, 512)), ("dequant", (1,))):  # every tile, the dequantise kernel
+                set_backend(how)
+                for m in rows:
+                    fp8_linear(torch.zeros(m, k, dtype=torch.bfloat16, device=device), q, s, (128, 128))
+    finally:
+        set_backend(chosen)
     torch.cuda.synchronize(device)
 
 
@@ -149,3 +190,15 @@ if triton is not None:
             acc += tl.dot(a, b.to(tl.bfloat16)) * s[None, :]
         tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _fp8_dequant(q_ptr, s_ptr, w_ptr, N, K, sqn, ssn, swn):
+        """One 128×128 block per program: w = q·s (FP32 product, one rounding to w's dtype)."""
+        bn, bk = tl.program_id(0), tl.program_id(1)
+        rn = (bn * 128 + tl.arange(0, 128)).to(tl.int64)
+        rk = bk * 128 + tl.arange(0, 128)
+        mask = (rn[:, None] < N) & (rk[None, :] < K)
+        q = tl.load(q_ptr + rn[:, None] * sqn + rk[None, :], mask=mask, other=0.0)
+        s = tl.load(s_ptr + bn.to(tl.int64) * ssn + bk)
+        tl.store(w_ptr + rn[:, None] * swn + rk[None, :], (q.to(tl.float32) * s).to(w_ptr.dtype.element_ty),
+                 mask=mask)

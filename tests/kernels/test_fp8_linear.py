@@ -22,7 +22,7 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def test_cpu_takes_the_dequantising_path_and_matches_float64():
     x, q, s, ref = _case(5, 300, 260)
-    assert not fl.triton_applies(x, (128, 128))
+    assert fl.path(x, (128, 128), 5) == "torch"
     y = fl.fp8_linear(x, q, s, (128, 128))
     assert y.shape == (5, 300) and y.dtype == torch.bfloat16
     assert _rel_err(y, ref) < 1e-2  # BF16 output rounding
@@ -42,9 +42,29 @@ def test_tiles_parse_and_pick_by_rows():
         fl.TILES[None] = default
 
 
-def test_unknown_backend_is_refused():
+def test_unknown_backend_and_bad_row_threshold_are_refused():
     with pytest.raises(ValueError, match="policy.gpu_fp8_gemm"):
         fl.set_backend("cublas")
+    with pytest.raises(ValueError, match="policy.gpu_fp8_dequant_rows"):
+        fl.set_backend("auto", 0)
+    assert fl.backend() == "triton"
+
+
+def test_auto_takes_the_fp8_gemm_for_few_rows_and_dequantises_for_many(monkeypatch):
+    class Cuda:  # what path() reads of a CUDA BF16 activation
+        is_cuda, dtype = True, torch.bfloat16
+
+    monkeypatch.setattr(fl, "triton", fl.triton or object())  # the choice as made where Triton is installed
+    try:
+        fl.set_backend("auto", 512)
+        assert [fl.path(Cuda, (128, 128), m) for m in (1, 511, 512, 9000)] == ["triton"] * 2 + ["dequant"] * 2
+        assert fl.path(Cuda, (64, 64), 1) == "torch"
+        fl.set_backend("triton")
+        assert fl.path(Cuda, (128, 128), 9000) == "triton"
+        fl.set_backend("dequant")
+        assert fl.path(Cuda, (128, 128), 1) == "dequant"
+    finally:
+        fl.set_backend("triton", 512)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or fl.triton is None, reason="needs CUDA and Triton")
@@ -65,11 +85,21 @@ def test_other_large_row_tiles_compute_the_same(tile):
 def test_triton_gemm_matches_float64_and_the_dequantising_path(m, n, k):
     x, q, s, ref = _case(m, n, k, "cuda")
     fl.set_backend("triton")
-    assert fl.triton_applies(x, (128, 128))
-    y = fl.fp8_linear(x[None], q, s, (128, 128))[0]  # leading dims kept
-    assert _rel_err(y, ref) < 5e-3
-    fl.set_backend("dequant")
     try:
+        assert fl.path(x, (128, 128), m) == "triton"
+        y = fl.fp8_linear(x[None], q, s, (128, 128))[0]  # leading dims kept
+        assert _rel_err(y, ref) < 5e-3
+        fl.set_backend("dequant")
+        assert fl.path(x, (128, 128), m) == "dequant"
         assert _rel_err(fl.fp8_linear(x, q, s, (128, 128)), ref) < 1e-2
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        assert fl.fp8_linear(x, q, s, (128, 128), out=out) is out and _rel_err(out, ref) < 1e-2
     finally:
         fl.set_backend("triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or fl.triton is None, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("n,k", [(4096, 7168), (300, 260), (128 * 3 + 5, 128 * 2 + 70)])
+def test_triton_dequantise_is_bit_identical_to_torch(n, k):
+    _, q, s, _ = _case(1, n, k, "cuda")
+    assert torch.equal(fl.dequantize(q, s, (128, 128)), fp8.dequantize(q, s, (128, 128), torch.bfloat16))

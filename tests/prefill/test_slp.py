@@ -9,7 +9,7 @@ import torch
 from hybrid.engine.generate import Generator
 from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, pin_experts
 from hybrid.errors import ConfigError
-from hybrid.prefill.ring import DEEP_RING, auto_ring_len, overwritten_before_off
+from hybrid.prefill.ring import auto_ring_len, overwritten_before_off
 from hybrid.prefill.slp import Pipeline, StreamedExperts, streaming
 from hybrid.weights.checkpoint import Checkpoint
 from hybrid.weights.loader import load_model
@@ -41,6 +41,22 @@ def test_slp_logits_equal_the_plain_forward(tiny_dir, ring_len):
     assert len(writes) == n_moe * n_exp and len(pipe.ring.log) == 2 * n_moe * n_exp
     assert overwritten_before_off(pipe.ring.log) == []
     assert {slot for _, slot, _ in writes} == set(range(min(ring_len, n_moe * n_exp)))
+
+
+def test_a_ring_of_the_same_shape_is_reused_by_the_next_prefill(tiny_dir):
+    plain, hybrid = _models(tiny_dir)
+    tokens, pos = torch.randint(2, 320, (1, 24), generator=torch.Generator().manual_seed(5)), torch.arange(24)[None]
+    want = plain(tokens, pos)[0]
+    rings = []
+    for ring_len in (3, 3, 5):
+        with streaming(hybrid, CPU, ring_len, BIG) as pipe:
+            got = hybrid(tokens, pos)[0]
+        assert (got - want).abs().max() <= 1e-5
+        assert overwritten_before_off(pipe.ring.log) == [] and len(pipe.ring.log) == 2 * 2 * 16  # reset between
+        rings.append(pipe.ring)
+    assert rings[0] is rings[1] and rings[2] is not rings[1] and rings[2].ring_len == 5
+    with pytest.raises(ConfigError, match="policy.ring_len"):  # a kept ring never bypasses the budget
+        streaming(hybrid, CPU, 5, 4 * rings[2].slot_bytes).__enter__()
 
 
 @pytest.fixture(scope="module")
@@ -138,14 +154,13 @@ def test_generator_uses_slp_above_the_cutoff_and_writes_the_kv_cache(tiny_dir):
     assert used == [len(prompt)], "prompts at or under the cutoff take the CPU path"
 
 
-def test_auto_ring_len_is_deep_for_short_prompts_and_ping_pong_for_long():
+def test_auto_ring_len_is_as_deep_as_the_budget_allows_up_to_a_layer():
     slot = 44 * 10**6
-    assert auto_ring_len(2_000, 256, slot, 100e9) == DEEP_RING
-    assert auto_ring_len(2_000, 16, slot, 100e9) == 16  # never more than a layer's experts
-    assert auto_ring_len(70_000, 256, slot, 100e9) == 2
-    mid = auto_ring_len(30_000, 256, slot, 100e9)
-    assert 2 < mid < DEEP_RING
-    assert auto_ring_len(2_000, 256, slot, 10 * slot) == 10  # capped by the budget
+    assert auto_ring_len(256, slot, 100e9) == 256
+    assert auto_ring_len(16, slot, 100e9) == 16  # never more than a layer's experts
+    assert auto_ring_len(256, slot, 10.5 * slot) == 10  # capped by the budget
+    assert auto_ring_len(256, slot, 2 * slot) == 2  # ping-pong when memory is tight
+    assert auto_ring_len(256, slot, 0.5 * slot) == 1  # the ring then refuses it, naming the knobs
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

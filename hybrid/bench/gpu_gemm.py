@@ -1,0 +1,78 @@
+"""`mode=bench bench=gpu_gemm`: the GPU ways through one routed expert's FP8 weights at prefill row counts.
+
+For gate+up fused ([2I, D]) and down ([D, I]) at DeepSeek-V3 shapes and each of `bench.gemm_rows`: the Triton FP8
+GEMM (each tile of `bench.fp8_tiles`, else the configured one), dequantise-then-cuBLAS (the Triton dequantise kernel,
+and torch ops), in TFLOP/s against the bound: cuBLAS BF16 on weights dequantised beforehand, same shapes, same run.
+Several distinct experts are cycled so that the L2 cache does not hold the weights. Each timing includes the host's
+launch cost, as the stream-loading prefill pays it per expert.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from hybrid.bench.records import Record
+from hybrid.errors import ConfigError
+from hybrid.kernels import fp8_linear
+from hybrid.weights import fp8
+
+EXPERTS = 8  # distinct weights cycled (one expert's FP8 gate+up is 29 MB; the H200's L2 is 50 MB)
+
+
+def _seconds(fn, reps: int) -> float:
+    for i in range(3):
+        fn(i)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(reps):
+        fn(i)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def run(settings) -> list[Record]:
+    cfg = settings.bench
+    if not torch.cuda.is_available() or fp8_linear.triton is None:
+        raise ConfigError("bench=gpu_gemm times GPU kernels: it needs CUDA and Triton")
+    tiles = [fp8_linear.Tile.parse(t) for t in cfg.fp8_tiles] or [fp8_linear.TILES[None]]
+    dev, block = torch.device("cuda"), (128, 128)
+    chosen, default_tile = fp8_linear.backend(), fp8_linear.TILES[None]
+    records = []
+    try:
+        for name, (n, k) in (("gate_up", (2 * cfg.inter, cfg.hidden)), ("down", (cfg.hidden, cfg.inter))):
+            g = torch.Generator().manual_seed(n)
+            weights = [tuple(t.to(dev) for t in fp8.quantize(torch.randn(n, k, generator=g) * 0.02, block))
+                       for _ in range(EXPERTS)]
+            dense = [fp8.dequantize(q, s, block, torch.bfloat16) for q, s in weights]
+            for m in cfg.gemm_rows:
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                flop = 2 * m * n * k
+                bound = flop / _seconds(lambda i: F.linear(x, dense[i % EXPERTS]), cfg.repeats * 6) / 1e12
+                ways = {"dequant_triton": lambda i: F.linear(x, fp8_linear.dequantize(*weights[i % EXPERTS], block)),
+                        "dequant_torch": lambda i: F.linear(x, fp8.dequantize(*weights[i % EXPERTS], block))}
+                first = len(records)
+                fp8_linear.set_backend("triton")
+                for tile in tiles if m > 256 else tiles[:1]:  # the swept tile serves prefill-sized rows only
+                    fp8_linear.TILES[None] = tile
+                    records.append(_record(f"triton_gemm {fp8_linear.tile_for(m)}",
+                                           lambda i: fp8_linear.fp8_linear(x, *weights[i % EXPERTS], block),
+                                           cfg, flop, bound, m, n, k, name))
+                fp8_linear.set_backend("dequant")
+                for way, fn in ways.items():
+                    records.append(_record(way, fn, cfg, flop, bound, m, n, k, name))
+                records.append(Record("cublas_bf16", bound, "TFLOP/s", None, m, n, k, "bf16", {"matrix": name}))
+                print(f"{name} m={m}: " + ", ".join(f"{r.name} {r.value:.0f}" for r in records[first:])
+                      + " TFLOP/s", file=sys.stderr)
+    finally:
+        fp8_linear.set_backend(chosen)
+        fp8_linear.TILES[None] = default_tile
+    return records
+
+
+def _record(way, fn, cfg, flop, bound, m, n, k, matrix) -> Record:
+    t = _seconds(fn, cfg.repeats * 6)
+    return Record(way, flop / t / 1e12, "TFLOP/s", bound, m, n, k, "fp8_e4m3",
+                  {"matrix": matrix, "us": round(t * 1e6, 1)})
