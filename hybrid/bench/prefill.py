@@ -16,7 +16,7 @@ from hybrid.bench import timeline
 from hybrid.bench.gpu_profile import gpu_times
 from hybrid.bench.records import Record
 from hybrid.config.compose import RUNS_DIR
-from hybrid.engine.build import build, expert_gemm_shapes
+from hybrid.engine.build import build, expert_gemm_shapes, slp_context
 from hybrid.errors import ConfigError
 from hybrid.kernels import fp8_linear
 from hybrid.prefill.slp import streaming
@@ -47,12 +47,14 @@ def matmul_rate(m: int = 8192, n: int = 2048, k: int = 7168) -> float:
     return 2 * m * n * k * 20 / (time.perf_counter() - t0) / 1e12
 
 
-def _ttft(engine, n: int, ring_len=None) -> float:
+def _ttft(engine, n: int, ring_len=None, context=None) -> float:
     m, dev = engine.model, engine.device
     tokens = torch.randint(2, m.args.vocab_size, (1, n), device=dev)
     pos = torch.arange(n, device=dev)[None]
     slot = torch.tensor([0], device=dev)
-    if ring_len is None:
+    if context is not None:
+        ctx = context(n)
+    elif ring_len is None:
         ctx = engine.generator.long_prefill(n)
     elif ring_len == 0:  # the CPU path
         ctx = torch.no_grad()
@@ -134,6 +136,9 @@ def run(settings) -> list[Record]:
     for ring in cfg.ring_sweep:
         t = _ttft(engine, longest, ring)
         records.append(Record("slp_ring_sweep", t, "s", None, longest, extra={"ring_len": ring}))
+    for group in cfg.group_sweep:  # experts computed together once on the device (policy.slp_group_experts)
+        t = _ttft(engine, longest, context=slp_context(s, engine.model, engine.device, group))
+        records.append(Record("slp_group_sweep", t, "s", None, longest, extra={"slp_group_experts": group}))
     chosen = fp8_linear.backend()
     try:
         for gemm in fp8_linear.BACKENDS:  # the FP8 math on the streamed experts: FP8 GEMM, dequantise, by rows

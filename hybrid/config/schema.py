@@ -91,6 +91,7 @@ class PolicyConfig:
     slp_cutoff_tokens: int = 128  # prompts longer than this are prefilled on the GPU by stream-loading
     ring_len: str = "auto"  # expert slots of the stream-loading ring buffer: a number >= 1, or auto
     slp_chunk_tokens: int = 0  # stream-loading prefill in chunks of this many tokens; 0 = auto (as memory allows)
+    slp_group_experts: int = 1  # SLP: up to this many experts already on the GPU computed together (grouped GEMM)
     batch_cap: int = 6  # most decoding requests batched together
     max_batch: int = 8  # KV-cache slots (sequences held at once)
     max_context: int = 4096  # tokens per sequence the KV cache holds
@@ -121,7 +122,8 @@ class PolicyConfig:
                      "deferred_experts"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"policy.{knob} must be >= 0, got {getattr(self, knob)}")
-        for knob in ("batch_cap", "max_batch", "max_context", "cpu_gemm_tile_tokens", "gpu_fp8_dequant_rows"):
+        for knob in ("batch_cap", "max_batch", "max_context", "cpu_gemm_tile_tokens", "gpu_fp8_dequant_rows",
+                     "slp_group_experts"):
             if getattr(self, knob) < 1:
                 raise ValueError(f"policy.{knob} must be >= 1, got {getattr(self, knob)}")
         if self.batch_cap > self.max_batch:
@@ -157,6 +159,7 @@ class BenchConfig:
     # prefill: TTFT by prompt length, stream-loading vs the CPU path, ring-length sweep
     prompt_lengths: List[int] = field(default_factory=lambda: [128, 512, 2048, 8192, 16384])
     ring_sweep: List[int] = field(default_factory=lambda: [2, 8, 32, 128])  # at the longest prompt
+    group_sweep: List[int] = field(default_factory=list)  # policy.slp_group_experts values timed at the longest
     cpu_max_tokens: int = 2048  # the CPU path is timed up to this prompt length
     fp8_tiles: List[str] = field(default_factory=list)  # Triton tiles for prefill-sized rows to time, e.g. 128x256x64/8/3
     # gpu_gemm: the GPU ways through one expert's FP8 weights (fp8_tiles above; hidden, inter, repeats)
@@ -164,8 +167,8 @@ class BenchConfig:
     trace: bool = False  # prefill: save the profiled run's timeline (Chrome trace, .trace.json.gz beside the results)
 
     def __post_init__(self) -> None:
-        if min([*self.ms, *self.moe_tokens, *self.gemm_rows], default=1) < 1 or self.repeats < 1:
-            raise ValueError("bench: token counts and repeats must be >= 1")
+        if min([*self.ms, *self.moe_tokens, *self.gemm_rows, *self.group_sweep], default=1) < 1 or self.repeats < 1:
+            raise ValueError("bench: token counts, group sizes and repeats must be >= 1")
         for knob in ("prompt_tokens", "new_tokens", "batch"):
             if getattr(self, knob) < 1:
                 raise ValueError(f"bench.{knob} must be >= 1, got {getattr(self, knob)}")

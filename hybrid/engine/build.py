@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -90,7 +91,9 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
         long_prefill = slp_context(s, model, device)
         if a.fp8_block:
             fp8_linear.warm_up(expert_gemm_shapes(a), device)
-        chunk = s.policy.slp_chunk_tokens or auto_chunk(model.args, kv_budget_bytes(s, device), slot_bytes(model))
+        chunk = s.policy.slp_chunk_tokens or auto_chunk(
+            model.args, kv_budget_bytes(s, device) - group_bytes(model.args, s.policy.slp_group_experts),
+            slot_bytes(model))
     gen = Generator(model, s.policy.max_batch, s.policy.max_context, a.eos_token_id, device, long_prefill,
                     s.policy.slp_cutoff_tokens, chunk)
     if hot:
@@ -148,16 +151,23 @@ def slot_bytes(model: Transformer) -> int:
     return layout(expert_tensors(cpu_experts(model)[0].host_experts[0]))[1]
 
 
-def slp_context(s: HybridConfig, model: Transformer, device: torch.device):
-    """tokens -> the stream-loading context for a chunk that long (ring length from policy.ring_len)."""
+def slp_context(s: HybridConfig, model: Transformer, device: torch.device, group: Optional[int] = None):
+    """tokens -> the stream-loading context for a chunk that long (ring length from policy.ring_len; experts
+    grouped by policy.slp_group_experts unless `group` says otherwise)."""
     slot = slot_bytes(model)
+    group = s.policy.slp_group_experts if group is None else group
 
     def context(tokens: int):
-        budget = kv_budget_bytes(s, device) - activation_bytes(model.args, tokens)
+        budget = kv_budget_bytes(s, device) - activation_bytes(model.args, tokens) - group_bytes(model.args, group)
         ring_len = (auto_ring_len(model.args.n_routed_experts, slot, budget)
                     if s.policy.ring_len == "auto" else int(s.policy.ring_len))
-        return streaming(model, device, ring_len, budget)
+        return streaming(model, device, ring_len, budget, group)
     return context
+
+
+def group_bytes(a, group: int) -> int:
+    """The BF16 weight buffer of SLP's expert groups (none when experts go one at a time)."""
+    return group * 3 * a.moe_intermediate_size * a.hidden_size * 2 if group > 1 else 0
 
 
 def auto_chunk(a, budget_bytes: float, slot: int) -> int:

@@ -105,14 +105,15 @@ def _check_layout(q: torch.Tensor, scale: torch.Tensor, block) -> None:
                          f"with one scale per 128x128 block ({fp8.scale_shape((n, k), block)})")
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, block, dtype=torch.bfloat16) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block, dtype=torch.bfloat16, out=None) -> torch.Tensor:
     """q·s as `dtype` (fp8.dequantize's arithmetic: the product in FP32, then one rounding); one Triton pass on a
-    GPU with 128×128 blocks."""
-    if triton is None or not q.is_cuda or tuple(block) != (128, 128):
-        return fp8.dequantize(q, scale, block, dtype)
+    GPU with 128×128 blocks. `out` ([N, K], rows contiguous) receives it when given."""
+    if triton is None or not q.is_cuda or tuple(block) != (128, 128) or (out is not None and out.stride(1) != 1):
+        w = fp8.dequantize(q, scale, block, dtype if out is None else out.dtype)
+        return w if out is None else out.copy_(w)
     _check_layout(q, scale, block)
     n, k = q.shape
-    w = torch.empty(n, k, dtype=dtype, device=q.device)
+    w = torch.empty(n, k, dtype=dtype, device=q.device) if out is None else out
     if w.numel():
         _fp8_dequant[(triton.cdiv(n, 128), triton.cdiv(k, 128))](q, scale, w, n, k, q.stride(0), scale.stride(0),
                                                                  w.stride(0), num_warps=4)

@@ -4,7 +4,9 @@ through it from pinned host memory, one expert at a time, through the ring buffe
 Three threads, each with its own CUDA stream on a GPU:
 - loader: for every MoE layer, every expert in order: take a free slot, copy the expert in, record ON;
 - model (the caller): runs the model; at a MoE layer, for each expert: wait for ON, compute the tokens routed to
-  it, record OFF;
+  it, record OFF. With `group` > 1 the experts already on the device when the model gets to them (a deep ring
+  fills during attention) go together: their weights dequantised into one buffer, two grouped GEMMs, one OFF —
+  a handful of host calls per group instead of ~10 per expert, which bound the MoE phase of long prompts;
 - unloader: waits for OFF to have run on the device, then frees the slot.
 The attention, router and shared experts are already resident (hybrid placement); only routed experts stream.
 On the CPU the same code runs with no streams (CI covers the ordering, events, ring reuse and budget).
@@ -17,6 +19,7 @@ import contextlib
 import queue
 import sys
 import threading
+import warnings
 from typing import Iterator, Optional
 
 import torch
@@ -27,7 +30,7 @@ from hybrid.engine.placement import CpuExperts, expert_tensors
 from hybrid.model.moe import Done, MoE
 from hybrid.prefill.events import PairedEvent
 from hybrid.prefill.ring import Ring, layout
-from hybrid.kernels.fp8_linear import stored_linear
+from hybrid.kernels.fp8_linear import dequantize, stored_linear
 
 # The loader and unloader need the GIL for a moment per expert while the model thread launches kernels; at
 # Python's default 5 ms switch interval a hand-off can wait longer than an expert's copy takes (~0.8 ms).
@@ -38,15 +41,18 @@ FLUSH_ROWS = 4096  # expert-output rows summed into the tokens at a time
 class Pipeline:
     """The loader and unloader threads around a ring, for one prefill over `layers` (their host experts)."""
 
-    def __init__(self, layers: list[CpuExperts], device: torch.device, ring_len: int, budget_bytes: float):
-        self.layers, self.device = layers, device
+    def __init__(self, layers: list[CpuExperts], device: torch.device, ring_len: int, budget_bytes: float,
+                 group: int = 1):
+        self.layers, self.device, self.group = layers, device, max(1, group)
+        self.group_sizes: list[int] = []  # experts per step of the model thread, in order
+        self._group_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.n_experts = len(layers[0].host_experts)
         self.block = layers[0].host_experts[0].gate_proj.block
         first = layers[0].host_experts[0]
         fields, slot_bytes = layout(expert_tensors(first))
         self.ring = _ring(ring_len, fields, slot_bytes, device, budget_bytes)
         # gate and up read as one [2I, D] matrix when they (and their scales) lie back to back in the slot
-        self.inter = first.gate_proj.out_features
+        self.inter, self.hidden = first.gate_proj.out_features, first.down_proj.out_features
         gate, up = fields["gate_proj.weight"], fields["up_proj.weight"]
         self.fused = up.offset == gate.offset + first.gate_proj.weight.nbytes
         if self.block is not None:
@@ -114,6 +120,17 @@ class Pipeline:
         on.wait_on_stream()
         return slot
 
+    def take_ready(self, layer: int, expert: int) -> Optional[int]:
+        """take() if the loader has already posted (layer, expert), else None — never waits for a copy."""
+        try:
+            li, e, slot, on = self.ready.get_nowait()
+        except queue.Empty:
+            return None
+        if (li, e) != (layer, expert):
+            raise RuntimeError(f"stream-loading order broken: expected layer {layer} expert {expert}, got {li}/{e}")
+        on.wait_on_stream()
+        return slot
+
     def host_counts(self, counts: torch.Tensor) -> list[int]:
         """Rows per expert, read on the host once the model's stream gets there. On a GPU through pinned memory
         and an event wait: a pageable read (tensor.tolist(), or torch.bincount's own) held up the loader's copies in
@@ -126,14 +143,16 @@ class Pipeline:
         arrived.synchronize()
         return self.counts_host.tolist()
 
-    def give_back(self, slot: int, tag) -> None:
+    def give_back(self, slots: list[int], tags: list) -> None:
+        """The model is done with these slots once the work enqueued so far has run (one OFF for all)."""
         off = PairedEvent(self.device)
         off.record()
-        self.done.put((slot, off, tag))
+        for slot, tag in zip(slots, tags):
+            self.done.put((slot, off, tag))
 
-    def linear(self, slot: int, proj: str, x: torch.Tensor, rows: int = 0, out=None) -> torch.Tensor:
-        """x through the projection `proj` of the expert in `slot` (FP8: hybrid/kernels/fp8_linear.py); `rows`
-        reads that many output rows from the weight's start (gate and up together)."""
+    def _stored(self, slot: int, proj: str, rows: int = 0):
+        """The weight of `proj` in `slot` and its block scales (None for BF16); `rows` reads that many output rows
+        from the weight's start (gate and up together)."""
         w = self.ring.view(slot, f"{proj}.weight")
         if rows:
             w = self.ring.view(slot, f"{proj}.weight", (rows, w.shape[1]))
@@ -142,7 +161,43 @@ class Pipeline:
             s = self.ring.view(slot, f"{proj}.weight_scale_inv")
             if rows:
                 s = self.ring.view(slot, f"{proj}.weight_scale_inv", (-(-rows // self.block[0]), s.shape[1]))
+        return w, s
+
+    def linear(self, slot: int, proj: str, x: torch.Tensor, rows: int = 0, out=None) -> torch.Tensor:
+        """x through the projection `proj` of the expert in `slot` (FP8: hybrid/kernels/fp8_linear.py)."""
+        w, s = self._stored(slot, proj, rows)
         return stored_linear(x, w, s, self.block, out=out)
+
+    def _dequantize(self, slot: int, proj: str, out: torch.Tensor, rows: int = 0) -> None:
+        w, s = self._stored(slot, proj, rows)
+        if self.block is None:
+            out.copy_(w)
+        else:
+            dequantize(w, s, self.block, out=out)
+
+    def grouped(self, slots: list[int], counts: torch.Tensor, live: list[bool], x: torch.Tensor,
+                out: torch.Tensor) -> None:
+        """The rows x — expert by expert, counts[j] (a device tensor) for slots[j], zero allowed — through the
+        experts in `slots`: their weights dequantised to x's dtype into one buffer (`live` ones only), then gate+up
+        and down as grouped GEMMs. Raises where torch has no grouped GEMM for this device and dtype."""
+        g, i = len(slots), self.inter
+        if self._group_weights is None or self._group_weights[0].dtype != x.dtype:
+            self._group_weights = (torch.empty(self.group, 2 * i, self.hidden, dtype=x.dtype, device=x.device),
+                                   torch.empty(self.group, self.hidden, i, dtype=x.dtype, device=x.device))
+        gate_up, down = (w[:g] for w in self._group_weights)
+        for j, slot in enumerate(slots):
+            if not live[j]:
+                continue
+            if self.fused:
+                self._dequantize(slot, "gate_proj", gate_up[j], rows=2 * i)
+            else:
+                self._dequantize(slot, "gate_proj", gate_up[j, :i])
+                self._dequantize(slot, "up_proj", gate_up[j, i:])
+            self._dequantize(slot, "down_proj", down[j])
+        ends = counts.cumsum(0).to(torch.int32)  # on the device: no host->device copy behind the loader's
+        h = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=ends)
+        gate, up = h.split(i, dim=-1)
+        out.copy_(torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends))
 
     def activation(self, slot: int, x: torch.Tensor) -> torch.Tensor:
         """SiLU(gate(x)) ⊙ up(x): one GEMM over gate and up when they lie back to back in the slot."""
@@ -200,23 +255,44 @@ class StreamedExperts(nn.Module):
         if hot is not None:  # the routing statistics that choose the GPU-resident experts
             hot.observe(ids_TK)
         order = flat.argsort(stable=True)
-        counts = p.host_counts(torch.zeros(p.n_experts, dtype=torch.int64, device=flat.device)
-                               .scatter_add_(0, flat, torch.ones_like(flat)))  # bincount would sync on its max
+        counts_dev = torch.zeros(p.n_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))  # torch.bincount would read its max back (a sync)
+        counts = p.host_counts(counts_dev)
         tok = order // k
         x_RD = x_TD[tok]  # R = T·K rows, expert by expert
         w_R = weights_TK.flatten()[order].float()
         y_RD = torch.empty_like(x_RD)
         out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
-        start = done = 0
+        e = start = done = 0
         flush = max(FLUSH_ROWS, len(flat) // 8)
-        for e, n in enumerate(counts):
-            slot = p.take(self.layer, e)
-            if n:
-                rows = slice(start, start + n)
-                p.linear(slot, "down_proj", p.activation(slot, x_RD[rows]), out=y_RD[rows])
-            p.give_back(slot, (self.layer, e))
-            start += n
-            if start - done >= flush or e == len(counts) - 1:  # weighted sum into the tokens, a batch of rows
+        while e < len(counts):
+            slots = [p.take(self.layer, e)]  # then those already on the device, up to the group size
+            while len(slots) < p.group and e + len(slots) < len(counts):
+                slot = p.take_ready(self.layer, e + len(slots))
+                if slot is None:
+                    break
+                slots.append(slot)
+            ns = counts[e:e + len(slots)]
+            end = start + sum(ns)
+            if sum(n > 0 for n in ns) > 1 and p.group > 1:
+                try:
+                    p.grouped(slots, counts_dev[e:e + len(slots)], [n > 0 for n in ns], x_RD[start:end],
+                              y_RD[start:end])
+                except (RuntimeError, NotImplementedError) as err:
+                    warnings.warn(f"stream-loading prefill: no grouped GEMM here ({err}); policy.slp_group_experts "
+                                  "falls back to one expert at a time", stacklevel=2)
+                    p.group = 1
+            if p.group == 1 or sum(n > 0 for n in ns) == 1:
+                at = start
+                for slot, n in zip(slots, ns):
+                    if n:
+                        rows = slice(at, at + n)
+                        p.linear(slot, "down_proj", p.activation(slot, x_RD[rows]), out=y_RD[rows])
+                    at += n
+            p.give_back(slots, [(self.layer, e + j) for j in range(len(slots))])
+            p.group_sizes.append(len(slots))
+            e, start = e + len(slots), end
+            if start - done >= flush or e == len(counts):  # weighted sum into the tokens, a batch of rows
                 out_TD.index_add_(0, tok[done:start], y_RD[done:start].float() * w_R[done:start, None])
                 done = start
         return Done(out_TD.to(x_TD.dtype))
@@ -226,9 +302,10 @@ class StreamedExperts(nn.Module):
 
 
 @contextlib.contextmanager
-def streaming(model: nn.Module, device: torch.device, ring_len: int, budget_bytes: float) -> Iterator[Pipeline]:
+def streaming(model: nn.Module, device: torch.device, ring_len: int, budget_bytes: float,
+              group: int = 1) -> Iterator[Pipeline]:
     """Within the block, the model's routed experts stream through the device (the model must have been placed
-    with experts on the CPU kernels)."""
+    with experts on the CPU kernels); up to `group` experts already on the device are computed together."""
     moes = [m for m in model.modules() if isinstance(m, MoE) and isinstance(m.experts, CpuExperts)]
     if not moes:
         raise ValueError("stream-loading prefill needs the routed experts placed on the CPU kernels")
@@ -236,7 +313,7 @@ def streaming(model: nn.Module, device: torch.device, ring_len: int, budget_byte
     switch = sys.getswitchinterval()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
-        with Pipeline(saved, device, ring_len, budget_bytes) as pipe:
+        with Pipeline(saved, device, ring_len, budget_bytes, group) as pipe:
             try:
                 for i, m in enumerate(moes):
                     m.experts = StreamedExperts(pipe, i)

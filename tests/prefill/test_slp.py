@@ -9,6 +9,7 @@ import torch
 from hybrid.engine.generate import Generator
 from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, pin_experts
 from hybrid.errors import ConfigError
+from hybrid.model.moe import MoE
 from hybrid.prefill.ring import auto_ring_len, overwritten_before_off
 from hybrid.prefill.slp import Pipeline, StreamedExperts, streaming
 from hybrid.weights.checkpoint import Checkpoint
@@ -27,13 +28,14 @@ def _models(tiny_dir):
     return plain, hybrid
 
 
+@pytest.mark.parametrize("group", [1, 8])
 @pytest.mark.parametrize("ring_len", [1, 2, 3, 16])
-def test_slp_logits_equal_the_plain_forward(tiny_dir, ring_len):
+def test_slp_logits_equal_the_plain_forward(tiny_dir, ring_len, group):
     plain, hybrid = _models(tiny_dir)
     tokens = torch.randint(2, 320, (1, 40), generator=torch.Generator().manual_seed(ring_len))
     pos = torch.arange(40)[None]
     want = plain(tokens, pos)[0]
-    with streaming(hybrid, CPU, ring_len, BIG) as pipe:
+    with streaming(hybrid, CPU, ring_len, BIG, group) as pipe:
         got = hybrid(tokens, pos)[0]
     assert (got - want).abs().max() <= 1e-5, f"ring_len {ring_len}"
     n_moe, n_exp = 2, 16
@@ -93,6 +95,52 @@ def test_experts_in_a_slot_layout_arena_stream_in_one_copy_each(tiny_dir, block_
     assert pipe.fused == aligned, "gate and up read by one GEMM when their blocks line up"
     assert (got - want).abs().max() <= 1e-5
     assert copies.count(layers[0].slot_bytes) == 2 * 16, "one copy per expert"
+
+
+def _layer_inputs(model, seed: int, tokens: int = 40, experts_used: int = 16):
+    a = model.args
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, a.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(experts_used, generator=g)[:a.num_experts_per_tok] for _ in range(tokens)])
+    return x, torch.rand(tokens, a.num_experts_per_tok, generator=g), ids
+
+
+def _streamed_layer(hybrid, group: int, x, w, ids):
+    """Layer 0's routed experts through a pipeline whose ring holds the whole layer, once all of it is loaded."""
+    with Pipeline(cpu_experts(hybrid), CPU, 16, BIG, group) as pipe:
+        deadline = time.monotonic() + 30
+        while pipe.ready.qsize() < 16 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        got = StreamedExperts(pipe, 0)(x, w, ids)
+    assert overwritten_before_off(pipe.ring.log) == []
+    return got, pipe
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("group,sizes,used", [(4, [4] * 4, 16), (16, [16], 16), (5, [5, 5, 5, 1], 16),
+                                              (16, [16], 6)])
+def test_experts_already_on_the_device_go_in_groups(tiny_dir, block_aligned_dir, aligned, group, sizes, used):
+    plain, hybrid = _models(block_aligned_dir if aligned else tiny_dir)
+    ref = next(m.experts for m in plain.modules() if isinstance(m, MoE))
+    x, w, ids = _layer_inputs(hybrid, group + used, experts_used=used)  # used < 16: some experts get no rows
+    got, pipe = _streamed_layer(hybrid, group, x, w, ids)
+    assert pipe.group_sizes == sizes and pipe.fused == aligned
+    assert (got - ref(x, w, ids)).abs().max() <= 1e-5
+
+
+def test_without_a_grouped_gemm_the_experts_go_one_at_a_time(tiny_dir, monkeypatch):
+    plain, hybrid = _models(tiny_dir)
+    ref = next(m.experts for m in plain.modules() if isinstance(m, MoE))
+    x, w, ids = _layer_inputs(hybrid, 3)
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("grouped gemm is not supported on this device")
+
+    monkeypatch.setattr(torch, "_grouped_mm", unsupported)
+    with pytest.warns(UserWarning, match="slp_group_experts"):
+        got, pipe = _streamed_layer(hybrid, 8, x, w, ids)
+    assert pipe.group == 1 and pipe.group_sizes[0] == 8 and set(pipe.group_sizes[1:]) == {1}
+    assert (got - ref(x, w, ids)).abs().max() <= 1e-5
 
 
 def test_no_slot_is_overwritten_before_off_even_when_the_model_is_slow(tiny_dir, monkeypatch):
@@ -180,6 +228,28 @@ def test_slp_on_the_gpu_matches_the_plain_forward(tiny_dir):
         assert overwritten_before_off(pipe.ring.log) == []
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_experts_on_the_gpu_match_one_at_a_time(block_aligned_dir):
+    from hybrid.engine.placement import pin_experts, place
+
+    gpu = torch.device("cuda", 0)
+    hybrid = load_model(Checkpoint(block_aligned_dir), torch.bfloat16, progress=False)
+    experts_to_cpu_kernels(hybrid)
+    pin_experts(hybrid)
+    place(hybrid, gpu)
+    x, w, ids = (t.to(gpu) for t in _layer_inputs(hybrid, 7))
+    outs = {}
+    for group in (1, 16):
+        with Pipeline(cpu_experts(hybrid), gpu, 16, BIG, group) as pipe:
+            deadline = time.monotonic() + 30
+            while pipe.ready.qsize() < 16 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            outs[group] = StreamedExperts(pipe, 0)(x.bfloat16(), w, ids).float().cpu()
+        assert pipe.group == group, "no fallback: torch has a grouped GEMM for BF16 here"
+        assert pipe.group_sizes == ([16] if group == 16 else [1] * 16)
+    assert float((outs[16] - outs[1]).norm() / outs[1].norm()) < 1e-2
+
+
 def test_chunked_slp_prefill_equals_one_pass(tiny_dir):
     plain, hybrid = _models(tiny_dir)
     chunks = []
@@ -190,6 +260,15 @@ def test_chunked_slp_prefill_equals_one_pass(tiny_dir):
     assert slp.generate([prompt], 1).output_ids == want
     assert chunks == [16, 16, 11], "the experts stream once per chunk"
     _same_cache(slp, ref, len(prompt))
+
+
+def test_the_group_buffer_is_counted_in_the_budget():
+    from hybrid.engine.build import group_bytes
+    from hybrid.model.args import ModelArgs
+    from hybrid.weights.presets import DEEPSEEK_V3
+
+    a = ModelArgs.from_hf_config(DEEPSEEK_V3)
+    assert group_bytes(a, 1) == 0 and group_bytes(a, 32) == 32 * 3 * 2048 * 7168 * 2  # BF16 gate, up, down
 
 
 def test_auto_chunk_fits_the_budget():
