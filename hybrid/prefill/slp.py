@@ -224,6 +224,7 @@ class Pipeline:
 
 
 _kept: Optional[Ring] = None  # the last prefill's ring, reused by the next one of the same shape
+_NO_GROUPED_GEMM: set = set()  # (device type, dtype) where torch._grouped_mm failed: not tried again
 
 
 def _ring(ring_len: int, fields, slot_bytes: int, device: torch.device, budget_bytes: float) -> Ring:
@@ -273,16 +274,19 @@ class StreamedExperts(nn.Module):
                     break
                 slots.append(slot)
             ns = counts[e:e + len(slots)]
+            live = [n > 0 for n in ns]
             end = start + sum(ns)
-            if sum(n > 0 for n in ns) > 1 and p.group > 1:
+            grouped = sum(live) > 1 and p.group > 1 and (x_RD.device.type, x_RD.dtype) not in _NO_GROUPED_GEMM
+            if grouped:
                 try:
-                    p.grouped(slots, counts_dev[e:e + len(slots)], [n > 0 for n in ns], x_RD[start:end],
-                              y_RD[start:end])
+                    p.grouped(slots, counts_dev[e:e + len(slots)], live, x_RD[start:end], y_RD[start:end])
                 except (RuntimeError, NotImplementedError) as err:
-                    warnings.warn(f"stream-loading prefill: no grouped GEMM here ({err}); policy.slp_group_experts "
-                                  "falls back to one expert at a time", stacklevel=2)
-                    p.group = 1
-            if p.group == 1 or sum(n > 0 for n in ns) == 1:
+                    warnings.warn(f"stream-loading prefill: no grouped GEMM for {x_RD.dtype} on {x_RD.device.type} "
+                                  f"({err}); policy.slp_group_experts falls back to one expert at a time",
+                                  stacklevel=2)
+                    _NO_GROUPED_GEMM.add((x_RD.device.type, x_RD.dtype))
+                    grouped = False
+            if not grouped:
                 at = start
                 for slot, n in zip(slots, ns):
                     if n:
