@@ -47,7 +47,9 @@ def matmul_rate(m: int = 8192, n: int = 2048, k: int = 7168) -> float:
     return 2 * m * n * k * 20 / (time.perf_counter() - t0) / 1e12
 
 
-def _ttft(engine, n: int, ring_len=None, context=None) -> float:
+def _ttft(engine, n: int, ring_len=None, context=None, loop: dict | None = None) -> float:
+    """Seconds to the first token of an n-token prompt; `loop` receives the expert loops' wall and CPU seconds
+    (model thread) when the prompt streamed."""
     m, dev = engine.model, engine.device
     tokens = torch.randint(2, m.args.vocab_size, (1, n), device=dev)
     pos = torch.arange(n, device=dev)[None]
@@ -62,9 +64,12 @@ def _ttft(engine, n: int, ring_len=None, context=None) -> float:
         ctx = streaming(m, dev, ring_len, 1e15)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with ctx:
+    with ctx as pipe:
         m(tokens, pos, engine.generator.cache, slot, last_only=True, kv_len=n).argmax().item()
-    return time.perf_counter() - t0
+    t = time.perf_counter() - t0
+    if loop is not None and pipe is not None:
+        loop.update(expert_loop_s=pipe.expert_loop_s, expert_loop_cpu_s=pipe.expert_loop_cpu_s)
+    return t
 
 
 def _tile_sweep(engine, n: int, specs) -> list[Record]:
@@ -124,9 +129,10 @@ def run(settings) -> list[Record]:
         flops = prefill_flops(a, n)
         bound = max(moved / (h2d * 1e9), flops / (mm * 1e12))
         first = _ttft(engine, n)  # a first prompt of a new length also pays the allocator's growth
-        t = _ttft(engine, n)
+        loop: dict = {}
+        t = _ttft(engine, n, loop=loop)
         records.append(Record("slp_ttft", t, "s", None, n, extra={"tokens_per_s": n / t, "bound_s": bound,
-                                                                 "first_run_s": first,
+                                                                 "first_run_s": first, **loop,
                                                                  "fraction_of_bound": bound / t,
                                                                  "projected_61_layers_s": t * FULL_MOE_LAYERS / n_moe}))
         if n <= cfg.cpu_max_tokens:
@@ -137,8 +143,9 @@ def run(settings) -> list[Record]:
         t = _ttft(engine, longest, ring)
         records.append(Record("slp_ring_sweep", t, "s", None, longest, extra={"ring_len": ring}))
     for group in cfg.group_sweep:  # experts computed together once on the device (policy.slp_group_experts)
-        t = _ttft(engine, longest, context=slp_context(s, engine.model, engine.device, group))
-        records.append(Record("slp_group_sweep", t, "s", None, longest, extra={"slp_group_experts": group}))
+        loop = {}
+        t = _ttft(engine, longest, context=slp_context(s, engine.model, engine.device, group), loop=loop)
+        records.append(Record("slp_group_sweep", t, "s", None, longest, extra={"slp_group_experts": group, **loop}))
     chosen = fp8_linear.backend()
     try:
         for gemm in fp8_linear.BACKENDS:  # the FP8 math on the streamed experts: FP8 GEMM, dequantise, by rows

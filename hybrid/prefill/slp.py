@@ -19,6 +19,7 @@ import contextlib
 import queue
 import sys
 import threading
+import time
 import warnings
 from typing import Iterator, Optional
 
@@ -45,6 +46,9 @@ class Pipeline:
                  group: int = 1):
         self.layers, self.device, self.group = layers, device, max(1, group)
         self.group_sizes: list[int] = []  # experts per step of the model thread, in order
+        # the model thread in the expert loops (after each layer's counts arrived): wall seconds, and its own CPU
+        # seconds — near the wall time when the host's calls bound the loop; far below it when it waits (copies, GIL)
+        self.expert_loop_s = self.expert_loop_cpu_s = 0.0
         self._group_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.n_experts = len(layers[0].host_experts)
         self.block = layers[0].host_experts[0].gate_proj.block
@@ -266,6 +270,7 @@ class StreamedExperts(nn.Module):
         out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
         e = start = done = 0
         flush = max(FLUSH_ROWS, len(flat) // 8)
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
         while e < len(counts):
             slots = [p.take(self.layer, e)]  # then those already on the device, up to the group size
             while len(slots) < p.group and e + len(slots) < len(counts):
@@ -299,6 +304,8 @@ class StreamedExperts(nn.Module):
             if start - done >= flush or e == len(counts):  # weighted sum into the tokens, a batch of rows
                 out_TD.index_add_(0, tok[done:start], y_RD[done:start].float() * w_R[done:start, None])
                 done = start
+        p.expert_loop_s += time.perf_counter() - wall0
+        p.expert_loop_cpu_s += time.thread_time() - cpu0
         return Done(out_TD.to(x_TD.dtype))
 
     def forward(self, x_TD, weights_TK, ids_TK) -> torch.Tensor:
