@@ -1,7 +1,9 @@
 """`mode=bench bench=prefill`: stream-loading prefill (SLP) against its bound, the CPU path beside it.
 
 Bound per prompt: max(routed-expert bytes ÷ pinned host-to-device rate, the prefill's matmul FLOPs ÷ GPU BF16 matmul
-rate), both rates measured in this run. SLP moves every expert of every MoE layer once per prompt.
+rate), both rates measured in this run. SLP moves every expert of every MoE layer once per prompt. Beside it, not
+instead: the same bound with the causal attention's FLOPs at the attention kernel's own measured rate (long prompts
+spend much of their compute there, and no attention kernel runs at the GEMM rate).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 from hybrid.bench.decode import FULL_MOE_LAYERS
 from hybrid.bench import timeline
@@ -91,6 +94,12 @@ def _tile_sweep(engine, n: int, specs) -> list[Record]:
     return out
 
 
+def attention_flops(a, n: int, layers: int | None = None) -> float:
+    """FLOPs of causal attention itself (scores and values over the causal triangle) for n tokens, all layers."""
+    per_layer = 2 * n * (n + 1) / 2 * a.num_attention_heads * (a.qk_head_dim + a.v_head_dim)
+    return per_layer * (a.num_hidden_layers if layers is None else layers)
+
+
 def prefill_flops(a, n: int) -> float:
     """Matmul FLOPs of prefilling n tokens through the model: attention projections (keys and values expanded, as
     prefill does), causal attention, dense MLPs, shared and routed experts (top-k per token), the last token's
@@ -99,13 +108,29 @@ def prefill_flops(a, n: int) -> float:
     q = (d * a.q_lora_rank + a.q_lora_rank * h * a.qk_head_dim) if a.q_lora_rank else d * h * a.qk_head_dim
     proj = q + d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim) \
         + h * a.v_head_dim * d
-    core = n * (n + 1) / 2 * h * (a.qk_head_dim + a.v_head_dim)  # multiply-adds over the causal triangle
     expert = 3 * d * a.moe_intermediate_size
-    total = 0.0
+    total = attention_flops(a, n)
     for layer in range(a.num_hidden_layers):
         mlp = (a.num_experts_per_tok + a.n_shared_experts) * expert if a.is_moe_layer(layer) else 3 * d * a.intermediate_size
-        total += 2 * (n * (proj + mlp) + core)
+        total += 2 * n * (proj + mlp)
     return total + 2 * d * a.vocab_size
+
+
+def attention_rate(a, n: int) -> float:
+    """TFLOP/s of the causal attention kernel prefill uses (torch's SDPA, BF16), at the model's head shapes and n
+    tokens, measured here."""
+    h = a.num_attention_heads  # laid out as prefill's are: [B, S, H, K] seen as [B, H, S, K]
+    q, k = (torch.randn(1, n, h, a.qk_head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    v = torch.randn(1, n, h, a.v_head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    attend = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=a.softmax_scale)  # noqa: E731
+    attend()
+    torch.cuda.synchronize()
+    reps = max(1, min(20, int(2e14 // attention_flops(a, n, 1))))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        attend()
+    torch.cuda.synchronize()
+    return attention_flops(a, n, 1) * reps / (time.perf_counter() - t0) / 1e12
 
 
 def run(settings) -> list[Record]:
@@ -126,13 +151,19 @@ def run(settings) -> list[Record]:
     _ttft(engine, min(cfg.prompt_lengths))  # warm-up
     for n in cfg.prompt_lengths:
         moved = n_moe * a.n_routed_experts * expert_bytes
-        flops = prefill_flops(a, n)
+        flops, attn = prefill_flops(a, n), attention_flops(a, n)
         bound = max(moved / (h2d * 1e9), flops / (mm * 1e12))
+        # beside it (not instead): attention's FLOPs at the attention kernel's own measured rate
+        attn_rate = attention_rate(a, n)
+        bound_attn = max(moved / (h2d * 1e9), (flops - attn) / (mm * 1e12) + attn / (attn_rate * 1e12))
         first = _ttft(engine, n)  # a first prompt of a new length also pays the allocator's growth
         loop: dict = {}
         t = _ttft(engine, n, loop=loop)
         records.append(Record("slp_ttft", t, "s", None, n, extra={"tokens_per_s": n / t, "bound_s": bound,
                                                                  "first_run_s": first, **loop,
+                                                                 "attention_tflop_s": attn_rate,
+                                                                 "bound_attention_at_its_rate_s": bound_attn,
+                                                                 "fraction_of_that_bound": bound_attn / t,
                                                                  "fraction_of_bound": bound / t,
                                                                  "projected_61_layers_s": t * FULL_MOE_LAYERS / n_moe}))
         if n <= cfg.cpu_max_tokens:
