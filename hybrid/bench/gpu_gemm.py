@@ -2,7 +2,8 @@
 
 For gate+up fused ([2I, D]) and down ([D, I]) at DeepSeek-V3 shapes and each of `bench.gemm_rows`: the Triton FP8
 GEMM (each tile of `bench.fp8_tiles`, else the configured one), dequantise-then-cuBLAS (the Triton dequantise kernel,
-and torch ops), in TFLOP/s against the bound: cuBLAS BF16 on weights dequantised beforehand, same shapes, same run.
+and torch ops), and 8 experts' BF16 weights in one grouped GEMM (per expert), in TFLOP/s against the bound: cuBLAS
+BF16 on weights dequantised beforehand, same shapes, same run.
 Several distinct experts are cycled so that the L2 cache does not hold the weights. Each timing includes the host's
 launch cost, as the stream-loading prefill pays it per expert.
 """
@@ -63,6 +64,7 @@ def run(settings) -> list[Record]:
                 fp8_linear.set_backend("dequant")
                 for way, fn in ways.items():
                     records.append(_record(way, fn, cfg, flop, bound, m, n, k, name))
+                records += _grouped(dense, m, n, k, cfg, flop, bound, name)
                 records.append(Record("cublas_bf16", bound, "TFLOP/s", None, m, n, k, "bf16", {"matrix": name}))
                 print(f"{name} m={m}: " + ", ".join(f"{r.name} {r.value:.0f}" for r in records[first:])
                       + " TFLOP/s", file=sys.stderr)
@@ -70,6 +72,22 @@ def run(settings) -> list[Record]:
         fp8_linear.set_backend(chosen)
         fp8_linear.TILES[None] = default_tile
     return records
+
+
+def _grouped(dense, m, n, k, cfg, flop, bound, matrix) -> list[Record]:
+    """All the cycled experts' BF16 weights in one grouped GEMM (torch._grouped_mm, as stream-loading prefill's
+    expert groups run), m rows each; reported per expert. None where torch has no grouped GEMM here."""
+    g = len(dense)
+    stack = torch.stack(dense)  # [G, N, K]
+    x = torch.randn(g * m, k, device=stack.device, dtype=torch.bfloat16)
+    ends = torch.arange(1, g + 1, device=stack.device, dtype=torch.int32) * m
+    try:
+        t = _seconds(lambda i: torch._grouped_mm(x, stack.transpose(1, 2), offs=ends), cfg.repeats * 6) / g
+    except (RuntimeError, NotImplementedError) as err:
+        print(f"grouped GEMM: not available here ({err})", file=sys.stderr)
+        return []
+    return [Record(f"grouped_bf16_x{g}", flop / t / 1e12, "TFLOP/s", bound, m, n, k, "bf16",
+                   {"matrix": matrix, "us_per_expert": round(t * 1e6, 1), "note": "weights already BF16"})]
 
 
 def _record(way, fn, cfg, flop, bound, m, n, k, matrix) -> Record:

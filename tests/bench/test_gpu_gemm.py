@@ -30,3 +30,22 @@ def test_on_a_gpu_every_way_is_timed_against_cublas():
     names = {(r.extra["matrix"], r.m, r.name) for r in recs}
     assert ("gate_up", 512, "triton_gemm 128x128x64/8/3") in names and ("down", 64, "dequant_triton") in names
     assert all(r.value > 0 for r in recs) and fp8_linear.backend() == "triton"
+
+
+def test_the_grouped_way_reports_per_expert_and_skips_where_torch_has_none(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from hybrid.bench import gpu_gemm
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # the timing helper's only GPU call
+    dense = [torch.randn(64, 32).bfloat16() for _ in range(8)]
+    (rec,) = gpu_gemm._grouped(dense, 16, 64, 32, SimpleNamespace(repeats=1), 2 * 16 * 64 * 32, 100.0, "down")
+    assert rec.name == "grouped_bf16_x8" and rec.value > 0 and rec.bound == 100.0 and rec.m == 16
+    assert rec.extra["matrix"] == "down" and rec.extra["us_per_expert"] > 0
+
+    def unsupported(*a, **k):
+        raise RuntimeError("no grouped gemm")
+
+    monkeypatch.setattr(torch, "_grouped_mm", unsupported)
+    assert gpu_gemm._grouped(dense, 16, 64, 32, SimpleNamespace(repeats=1), 1.0, 1.0, "down") == []
+    assert "not available here" in capsys.readouterr().err
