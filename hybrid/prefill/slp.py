@@ -6,7 +6,8 @@ Three threads, each with its own CUDA stream on a GPU:
 - model (the caller): runs the model; at a MoE layer, for each expert: wait for ON, compute the tokens routed to
   it, record OFF. With `group` > 1 the experts already on the device when the model gets to them (a deep ring
   fills during attention) go together: their weights dequantised into one buffer, two grouped GEMMs, one OFF —
-  a handful of host calls per group instead of ~10 per expert, which bound the MoE phase of long prompts;
+  a handful of host calls per group instead of ~10 per expert (H200 traces: the host's side of the per-expert
+  loop, not the GPU, set the pace of long prompts' MoE phase);
 - unloader: waits for OFF to have run on the device, then frees the slot.
 The attention, router and shared experts are already resident (hybrid placement); only routed experts stream.
 On the CPU the same code runs with no streams (CI covers the ordering, events, ring reuse and budget).
@@ -119,21 +120,26 @@ class Pipeline:
             except queue.Empty:
                 if self.error is not None:
                     raise RuntimeError("stream-loading prefill: the loader failed") from self.error
+        return self._arrived(layer, expert, li, e, slot, on)
+
+    @staticmethod
+    def _arrived(layer: int, expert: int, li: int, e: int, slot: int, on: PairedEvent) -> int:
         if (li, e) != (layer, expert):
             raise RuntimeError(f"stream-loading order broken: expected layer {layer} expert {expert}, got {li}/{e}")
         on.wait_on_stream()
         return slot
 
-    def take_ready(self, layer: int, expert: int) -> Optional[int]:
-        """take() if the loader has already posted (layer, expert), else None — never waits for a copy."""
-        try:
-            li, e, slot, on = self.ready.get_nowait()
-        except queue.Empty:
-            return None
-        if (li, e) != (layer, expert):
-            raise RuntimeError(f"stream-loading order broken: expected layer {layer} expert {expert}, got {li}/{e}")
-        on.wait_on_stream()
-        return slot
+    def take_group(self, layer: int, first: int, end: int) -> list[int]:
+        """Slots for experts first, first + 1, ... of `layer` (before `end`): the first one waited for as take()
+        does, then those the loader has already posted, up to the group size — never waiting for a copy."""
+        slots = [self.take(layer, first)]
+        while len(slots) < self.group and first + len(slots) < end:
+            try:
+                posted = self.ready.get_nowait()
+            except queue.Empty:
+                break
+            slots.append(self._arrived(layer, first + len(slots), *posted))
+        return slots
 
     def host_counts(self, counts: torch.Tensor) -> list[int]:
         """Rows per expert, read on the host once the model's stream gets there. On a GPU through pinned memory
@@ -272,12 +278,7 @@ class StreamedExperts(nn.Module):
         flush = max(FLUSH_ROWS, len(flat) // 8)
         wall0, cpu0 = time.perf_counter(), time.thread_time()
         while e < len(counts):
-            slots = [p.take(self.layer, e)]  # then those already on the device, up to the group size
-            while len(slots) < p.group and e + len(slots) < len(counts):
-                slot = p.take_ready(self.layer, e + len(slots))
-                if slot is None:
-                    break
-                slots.append(slot)
+            slots = p.take_group(self.layer, e, len(counts))
             ns = counts[e:e + len(slots)]
             live = [n > 0 for n in ns]
             end = start + sum(ns)
