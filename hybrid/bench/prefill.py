@@ -119,9 +119,10 @@ def prefill_flops(a, n: int) -> float:
 def attention_rate(a, n: int) -> float:
     """TFLOP/s of the causal attention kernel prefill uses (torch's SDPA, BF16), at the model's head shapes and n
     tokens, measured here."""
-    h = a.num_attention_heads  # laid out as prefill's are: [B, S, H, K] seen as [B, H, S, K]
+    h = a.num_attention_heads  # laid out as prefill's are: [B, S, H, K] seen as [B, H, S, K], v split off kv
     q, k = (torch.randn(1, n, h, a.qk_head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
-    v = torch.randn(1, n, h, a.v_head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    kv = torch.randn(1, n, h, a.qk_nope_head_dim + a.v_head_dim, device="cuda", dtype=torch.bfloat16)
+    v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)[1].transpose(1, 2)
     attend = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=a.softmax_scale)  # noqa: E731
     attend()
     torch.cuda.synchronize()

@@ -20,7 +20,7 @@ from hybrid.kernels import fp8_linear
 from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
 from hybrid.prefill.ring import auto_ring_len, layout
-from hybrid.prefill.slp import streaming
+from hybrid.prefill.slp import kept_ring_bytes, streaming
 from hybrid.tokenizer import Tokenizer
 
 GPU_RESERVE = 2e9  # bytes left free on the GPU for activations and the allocator's slack
@@ -44,6 +44,7 @@ def compute_device(hw: HwConfig) -> torch.device:
 def kv_budget_bytes(s: HybridConfig, device: torch.device) -> float:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # torch's cache is ours
         if s.policy.gpu_memory_budget_gb:
             return min(free, s.policy.gpu_memory_budget_gb * 1e9 - torch.cuda.memory_allocated(device))
         return free - GPU_RESERVE
@@ -158,7 +159,8 @@ def slp_context(s: HybridConfig, model: Transformer, device: torch.device, group
     group = s.policy.slp_group_experts if group is None else group
 
     def context(tokens: int):
-        budget = kv_budget_bytes(s, device) - activation_bytes(model.args, tokens) - group_bytes(model.args, group)
+        budget = (kv_budget_bytes(s, device) + kept_ring_bytes(device) - activation_bytes(model.args, tokens)
+                  - group_bytes(model.args, group))
         ring_len = (auto_ring_len(model.args.n_routed_experts, slot, budget)
                     if s.policy.ring_len == "auto" else int(s.policy.ring_len))
         return streaming(model, device, ring_len, budget, group)

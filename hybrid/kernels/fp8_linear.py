@@ -108,6 +108,8 @@ def _check_layout(q: torch.Tensor, scale: torch.Tensor, block) -> None:
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block, dtype=torch.bfloat16, out=None) -> torch.Tensor:
     """q·s as `dtype` (fp8.dequantize's arithmetic: the product in FP32, then one rounding); one Triton pass on a
     GPU with 128×128 blocks. `out` ([N, K], rows contiguous) receives it when given."""
+    if out is not None and tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"dequantize: out is {tuple(out.shape)}, the weights {tuple(q.shape)}")
     if triton is None or not q.is_cuda or tuple(block) != (128, 128) or (out is not None and out.stride(1) != 1):
         w = fp8.dequantize(q, scale, block, dtype if out is None else out.dtype)
         return w if out is None else out.copy_(w)

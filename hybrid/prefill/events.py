@@ -25,6 +25,10 @@ class PairedEvent:
         if self.cuda is not None:
             torch.cuda.current_stream().wait_event(self.cuda)
 
+    def done(self) -> bool:
+        """Recorded, and the recorded work has run (never waits)."""
+        return self.host.is_set() and (self.cuda is None or self.cuda.query())
+
     def synchronize(self) -> None:
         """The host waits until the recorded work has run."""
         self.host.wait()

@@ -131,14 +131,15 @@ class Pipeline:
 
     def take_group(self, layer: int, first: int, end: int) -> list[int]:
         """Slots for experts first, first + 1, ... of `layer` (before `end`): the first one waited for as take()
-        does, then those the loader has already posted, up to the group size — never waiting for a copy."""
+        does, then those whose copies have already landed, up to the group size — never waiting for a copy (a
+        posted copy may still be in flight: the group would wait for its last one)."""
         slots = [self.take(layer, first)]
         while len(slots) < self.group and first + len(slots) < end:
-            try:
-                posted = self.ready.get_nowait()
-            except queue.Empty:
+            with self.ready.mutex:  # only this thread takes from `ready`: the head stays the head
+                head = self.ready.queue[0] if self.ready.queue else None
+            if head is None or not head[3].done():
                 break
-            slots.append(self._arrived(layer, first + len(slots), *posted))
+            slots.append(self._arrived(layer, first + len(slots), *self.ready.get_nowait()))
         return slots
 
     def host_counts(self, counts: torch.Tensor) -> list[int]:
@@ -234,7 +235,38 @@ class Pipeline:
 
 
 _kept: Optional[Ring] = None  # the last prefill's ring, reused by the next one of the same shape
-_NO_GROUPED_GEMM: set = set()  # (device type, dtype) where torch._grouped_mm failed: not tried again
+_NO_GROUPED_GEMM: set = set()  # (device type, dtype) where torch._grouped_mm is missing or failed: not tried again
+
+
+def kept_ring_bytes(device: torch.device) -> int:
+    """Device memory the kept ring holds: the next prefill gets it back (reused or let go), so budgets count it
+    as free."""
+    ring = _kept
+    return ring.memory.numel() if ring is not None and torch.device(ring.device) == torch.device(device) else 0
+
+
+def grouped_gemm_applies(x: torch.Tensor) -> bool:
+    """Whether experts can go in groups for activations like x: torch has a native grouped GEMM for them (torch
+    >= 2.8; on CUDA, BF16 on compute capability 9.x or 10.x — elsewhere torch loops with host reads, which would
+    stall the loader). Says why, once, when not."""
+    key = (x.device.type, x.dtype)
+    if key in _NO_GROUPED_GEMM:
+        return False
+    if not hasattr(torch, "_grouped_mm"):
+        return _no_grouped_gemm(x, f"torch {torch.__version__} has no torch._grouped_mm (needs >= 2.8)")
+    if x.is_cuda:
+        major = torch.cuda.get_device_capability(x.device)[0]
+        if x.dtype != torch.bfloat16 or major not in (9, 10):
+            return _no_grouped_gemm(x, f"{x.dtype} on compute capability {major}.x has no native grouped GEMM "
+                                       "(BF16 on 9.x or 10.x has)")
+    return True
+
+
+def _no_grouped_gemm(x: torch.Tensor, why: str) -> bool:
+    _NO_GROUPED_GEMM.add((x.device.type, x.dtype))
+    warnings.warn(f"stream-loading prefill: no grouped GEMM for {x.dtype} on {x.device.type} ({why}); "
+                  "policy.slp_group_experts falls back to one expert at a time", stacklevel=3)
+    return False
 
 
 def _ring(ring_len: int, fields, slot_bytes: int, device: torch.device, budget_bytes: float) -> Ring:
@@ -282,15 +314,14 @@ class StreamedExperts(nn.Module):
             ns = counts[e:e + len(slots)]
             live = [n > 0 for n in ns]
             end = start + sum(ns)
-            grouped = sum(live) > 1 and p.group > 1 and (x_RD.device.type, x_RD.dtype) not in _NO_GROUPED_GEMM
+            grouped = sum(live) > 1 and grouped_gemm_applies(x_RD)
             if grouped:
                 try:
                     p.grouped(slots, counts_dev[e:e + len(slots)], live, x_RD[start:end], y_RD[start:end])
+                except torch.cuda.OutOfMemoryError:
+                    raise
                 except (RuntimeError, NotImplementedError) as err:
-                    warnings.warn(f"stream-loading prefill: no grouped GEMM for {x_RD.dtype} on {x_RD.device.type} "
-                                  f"({err}); policy.slp_group_experts falls back to one expert at a time",
-                                  stacklevel=2)
-                    _NO_GROUPED_GEMM.add((x_RD.device.type, x_RD.dtype))
+                    _no_grouped_gemm(x_RD, str(err))
                     grouped = False
             if not grouped:
                 at = start

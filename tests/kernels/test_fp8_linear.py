@@ -28,6 +28,15 @@ def test_cpu_takes_the_dequantising_path_and_matches_float64():
     assert _rel_err(y, ref) < 1e-2  # BF16 output rounding
 
 
+def test_dequantise_into_a_buffer_of_the_wrong_shape_is_refused():
+    _, q, s, _ = _case(1, 300, 260)
+    into = torch.empty(300, 260, dtype=torch.bfloat16)
+    assert fl.dequantize(q, s, (128, 128), out=into) is into
+    assert torch.equal(into, fp8.dequantize(q, s, (128, 128), torch.bfloat16))
+    with pytest.raises(ValueError, match="out is"):
+        fl.dequantize(q, s, (128, 128), out=torch.empty(260, 300, dtype=torch.bfloat16))
+
+
 def test_tiles_parse_and_pick_by_rows():
     assert str(fl.Tile.parse("128x256x64/8/4")) == "128x256x64/8/4"
     for bad in ("128x128/8/3", "128x128x32/8/3", "96x128x128/8/3", "128x128x128/6/3", "128x128x128/8/0", "big"):

@@ -63,6 +63,25 @@ def test_a_ring_of_the_same_shape_is_reused_by_the_next_prefill(tiny_dir):
         streaming(hybrid, CPU, 5, 4 * rings[2].slot_bytes).__enter__()
 
 
+def test_a_kept_ring_counts_as_free_in_the_next_prefills_budget(tiny_dir, monkeypatch):
+    from hybrid.config.compose import compose, to_settings
+    from hybrid.engine import build
+
+    _, hybrid = _models(tiny_dir)
+    slot = build.slot_bytes(hybrid)
+    # as on a GPU, memory held (the kept ring) is not free; 5.5 slots in all, the activations left out
+    monkeypatch.setattr(build, "kv_budget_bytes", lambda s, device: 5.5 * slot - slp.kept_ring_bytes(device))
+    monkeypatch.setattr(build, "activation_bytes", lambda a, tokens: 0)
+    context = build.slp_context(to_settings(compose([])), hybrid, CPU)  # ring_len auto: what the budget allows
+    tokens, pos = torch.randint(2, 320, (1, 24)), torch.arange(24)[None]
+    rings = []
+    for _ in range(3):
+        with context(24) as pipe:
+            hybrid(tokens, pos)
+        rings.append(pipe.ring)
+    assert rings[0].ring_len == 5 and all(r is rings[0] for r in rings)
+
+
 @pytest.fixture(scope="module")
 def block_aligned_dir(tmp_path_factory):
     """The tiny model with expert rows a whole number of 128-blocks (tiny's 96 are ragged): gate and up fuse."""
@@ -99,17 +118,19 @@ def test_experts_in_a_slot_layout_arena_stream_in_one_copy_each(tiny_dir, block_
     assert copies.count(layers[0].slot_bytes) == 2 * 16, "one copy per expert"
 
 
-def _layer_inputs(model, seed: int, tokens: int = 40, experts_used: int = 16):
-    a = model.args
+def _layer_inputs(model, seed: int, tokens: int = 40, experts=range(16)):
+    """Inputs of one MoE layer routing only to `experts` (the others get no rows)."""
+    a, experts = model.args, torch.tensor(list(experts))
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, a.hidden_size, generator=g)
-    ids = torch.stack([torch.randperm(experts_used, generator=g)[:a.num_experts_per_tok] for _ in range(tokens)])
+    ids = torch.stack([experts[torch.randperm(len(experts), generator=g)[:a.num_experts_per_tok]]
+                       for _ in range(tokens)])
     return x, torch.rand(tokens, a.num_experts_per_tok, generator=g), ids
 
 
-def _streamed_layer(hybrid, group: int, x, w, ids):
+def _streamed_layer(hybrid, group: int, x, w, ids, device=CPU):
     """Layer 0's routed experts through a pipeline whose ring holds the whole layer, once all of it is loaded."""
-    with Pipeline(cpu_experts(hybrid), CPU, 16, BIG, group) as pipe:
+    with Pipeline(cpu_experts(hybrid), device, 16, BIG, group) as pipe:
         deadline = time.monotonic() + 30
         while pipe.ready.qsize() < 16 and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -118,20 +139,53 @@ def _streamed_layer(hybrid, group: int, x, w, ids):
     return got, pipe
 
 
+@pytest.fixture
+def grouped_calls(monkeypatch):
+    """Counts torch._grouped_mm calls (the real one runs), with a fresh record of where it is missing."""
+    calls, real = [], torch._grouped_mm
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", counting)
+    monkeypatch.setattr(slp, "_NO_GROUPED_GEMM", set())
+    return calls
+
+
 @pytest.mark.parametrize("aligned", [False, True])
-@pytest.mark.parametrize("group,sizes,used", [(4, [4] * 4, 16), (16, [16], 16), (5, [5, 5, 5, 1], 16),
-                                              (16, [16], 6)])
-def test_experts_already_on_the_device_go_in_groups(tiny_dir, block_aligned_dir, aligned, group, sizes, used):
+@pytest.mark.parametrize("group,sizes,experts", [(4, [4] * 4, range(16)), (16, [16], range(16)),
+                                                 (5, [5, 5, 5, 1], range(16)), (16, [16], range(0, 16, 3)),
+                                                 (4, [4] * 4, (0, 5, 6, 7, 12))])
+def test_experts_already_on_the_device_go_in_groups(tiny_dir, block_aligned_dir, aligned, group, sizes, experts,
+                                                    grouped_calls):
     plain, hybrid = _models(block_aligned_dir if aligned else tiny_dir)
     ref = next(m.experts for m in plain.modules() if isinstance(m, MoE))
-    x, w, ids = _layer_inputs(hybrid, group + used, experts_used=used)  # used < 16: some experts get no rows
+    x, w, ids = _layer_inputs(hybrid, group + len(experts), experts=experts)  # the rest: experts with no rows
     got, pipe = _streamed_layer(hybrid, group, x, w, ids)
     assert pipe.group_sizes == sizes and pipe.fused == aligned
     assert (got - ref(x, w, ids)).abs().max() <= 1e-5
+    # two grouped GEMMs for each group with rows for more than one expert (a lone expert goes the usual way)
+    used = set(int(e) for e in ids.unique())
+    at, multi = 0, 0
+    for n in sizes:
+        multi += len(used & set(range(at, at + n))) > 1
+        at += n
+    assert len(grouped_calls) == 2 * multi > 0
     assert 0 < pipe.expert_loop_cpu_s <= pipe.expert_loop_s + 0.02  # the model thread's own time in the loop
 
 
-def test_without_a_grouped_gemm_the_experts_go_one_at_a_time(tiny_dir, monkeypatch):
+def test_copies_still_in_flight_are_not_grouped(tiny_dir, monkeypatch, grouped_calls):
+    from hybrid.prefill.events import PairedEvent
+
+    _, hybrid = _models(tiny_dir)
+    x, w, ids = _layer_inputs(hybrid, 4)
+    monkeypatch.setattr(PairedEvent, "done", lambda self: False)  # every copy posted, none landed yet
+    _, pipe = _streamed_layer(hybrid, 8, x, w, ids)
+    assert pipe.group_sizes == [1] * 16 and grouped_calls == []
+
+
+def test_where_the_grouped_gemm_fails_the_experts_go_one_at_a_time(tiny_dir, monkeypatch, grouped_calls):
     plain, hybrid = _models(tiny_dir)
     ref = next(m.experts for m in plain.modules() if isinstance(m, MoE))
     x, w, ids = _layer_inputs(hybrid, 3)
@@ -140,7 +194,6 @@ def test_without_a_grouped_gemm_the_experts_go_one_at_a_time(tiny_dir, monkeypat
         raise RuntimeError("grouped gemm is not supported on this device")
 
     monkeypatch.setattr(torch, "_grouped_mm", unsupported)
-    monkeypatch.setattr(slp, "_NO_GROUPED_GEMM", set())
     with pytest.warns(UserWarning, match="slp_group_experts"):
         got, pipe = _streamed_layer(hybrid, 8, x, w, ids)
     assert (got - ref(x, w, ids)).abs().max() <= 1e-5
@@ -149,6 +202,24 @@ def test_without_a_grouped_gemm_the_experts_go_one_at_a_time(tiny_dir, monkeypat
         warnings.simplefilter("error")  # remembered: no second attempt, no second warning
         again, _ = _streamed_layer(hybrid, 8, x, w, ids)
     assert torch.equal(again, got)
+
+
+def test_an_old_torch_without_a_grouped_gemm_is_told_apart_and_out_of_memory_is_not_swallowed(
+        tiny_dir, monkeypatch, grouped_calls):
+    _, hybrid = _models(tiny_dir)
+    x, w, ids = _layer_inputs(hybrid, 5)
+    monkeypatch.delattr(torch, "_grouped_mm")
+    with pytest.warns(UserWarning, match=r"needs >= 2\.8"):
+        assert not slp.grouped_gemm_applies(x)
+    monkeypatch.setattr(slp, "_NO_GROUPED_GEMM", set())
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(torch, "_grouped_mm", out_of_memory, raising=False)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        _streamed_layer(hybrid, 8, x, w, ids)
+    assert slp._NO_GROUPED_GEMM == set()
 
 
 def test_no_slot_is_overwritten_before_off_even_when_the_model_is_slow(tiny_dir, monkeypatch):
@@ -237,7 +308,7 @@ def test_slp_on_the_gpu_matches_the_plain_forward(tiny_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_grouped_experts_on_the_gpu_match_one_at_a_time(block_aligned_dir):
+def test_grouped_experts_on_the_gpu_match_one_at_a_time(block_aligned_dir, grouped_calls):
     from hybrid.engine.placement import pin_experts, place
 
     gpu = torch.device("cuda", 0)
@@ -254,7 +325,7 @@ def test_grouped_experts_on_the_gpu_match_one_at_a_time(block_aligned_dir):
                 time.sleep(0.001)
             outs[group] = StreamedExperts(pipe, 0)(x.bfloat16(), w, ids).float().cpu()
         assert pipe.group_sizes == ([16] if group == 16 else [1] * 16)
-    assert ("cuda", torch.bfloat16) not in slp._NO_GROUPED_GEMM, "torch has a grouped GEMM for BF16 here"
+    assert len(grouped_calls) == 2, "gate+up and down as grouped GEMMs, no fallback"
     assert float((outs[16] - outs[1]).norm() / outs[1].norm()) < 1e-2
 
 
