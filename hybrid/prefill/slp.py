@@ -247,8 +247,9 @@ def kept_ring_bytes(device: torch.device) -> int:
 
 def grouped_gemm_applies(x: torch.Tensor) -> bool:
     """Whether experts can go in groups for activations like x: torch has a native grouped GEMM for them (torch
-    >= 2.8; on CUDA, BF16 on compute capability 9.x or 10.x — elsewhere torch loops with host reads, which would
-    stall the loader). Says why, once, when not."""
+    >= 2.8; on CUDA, BF16 on Hopper, compute capability 9.x — elsewhere torch loops over the groups with a
+    device->host read of the offsets, which would stall the loader, or on 10.x before torch 2.13 may fail to
+    launch). Says why, once, when not."""
     key = (x.device.type, x.dtype)
     if key in _NO_GROUPED_GEMM:
         return False
@@ -256,9 +257,9 @@ def grouped_gemm_applies(x: torch.Tensor) -> bool:
         return _no_grouped_gemm(x, f"torch {torch.__version__} has no torch._grouped_mm (needs >= 2.8)")
     if x.is_cuda:
         major = torch.cuda.get_device_capability(x.device)[0]
-        if x.dtype != torch.bfloat16 or major not in (9, 10):
-            return _no_grouped_gemm(x, f"{x.dtype} on compute capability {major}.x has no native grouped GEMM "
-                                       "(BF16 on 9.x or 10.x has)")
+        if x.dtype != torch.bfloat16 or major != 9:
+            return _no_grouped_gemm(x, f"{x.dtype} on compute capability {major}.x: no native grouped GEMM "
+                                       "used here (BF16 on 9.x is)")
     return True
 
 
