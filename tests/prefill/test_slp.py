@@ -319,11 +319,8 @@ def test_grouped_experts_on_the_gpu_match_one_at_a_time(block_aligned_dir, group
     x, w, ids = (t.to(gpu) for t in _layer_inputs(hybrid, 7))
     outs = {}
     for group in (1, 16):
-        with Pipeline(cpu_experts(hybrid), gpu, 16, BIG, group) as pipe:
-            deadline = time.monotonic() + 30
-            while pipe.ready.qsize() < 16 and time.monotonic() < deadline:
-                time.sleep(0.001)
-            outs[group] = StreamedExperts(pipe, 0)(x.bfloat16(), w, ids).float().cpu()
+        got, pipe = _streamed_layer(hybrid, group, x.bfloat16(), w, ids, device=gpu)
+        outs[group] = got.float().cpu()
         assert pipe.group_sizes == ([16] if group == 16 else [1] * 16)
     assert len(grouped_calls) == 2, "gate+up and down as grouped GEMMs, no fallback"
     assert float((outs[16] - outs[1]).norm() / outs[1].norm()) < 1e-2
