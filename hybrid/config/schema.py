@@ -91,7 +91,7 @@ class PolicyConfig:
     slp_cutoff_tokens: int = 128  # prompts longer than this are prefilled on the GPU by stream-loading
     ring_len: str = "auto"  # expert slots of the stream-loading ring buffer: a number >= 1, or auto
     slp_chunk_tokens: int = 0  # stream-loading prefill in chunks of this many tokens; 0 = auto (as memory allows)
-    slp_group_experts: int = 1  # SLP: up to this many experts already on the GPU computed together (grouped GEMM)
+    slp_group_experts: str = "auto"  # SLP: up to this many experts on the GPU computed together; auto: 16 on Hopper
     batch_cap: int = 6  # most decoding requests batched together
     max_batch: int = 8  # KV-cache slots (sequences held at once)
     max_context: int = 4096  # tokens per sequence the KV cache holds
@@ -106,6 +106,10 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.ring_len != "auto" and not (self.ring_len.isdigit() and int(self.ring_len) >= 1):
             raise ValueError(f"policy.ring_len must be a number >= 1 or 'auto', got {self.ring_len!r}")
+        if self.slp_group_experts != "auto" and not (self.slp_group_experts.isdigit()
+                                                     and int(self.slp_group_experts) >= 1):
+            raise ValueError("policy.slp_group_experts must be a number >= 1 or 'auto', got "
+                             f"{self.slp_group_experts!r}")
         if self.gpu_weights not in ("dense", "fp8"):
             raise ValueError(f"policy.gpu_weights must be dense or fp8, got {self.gpu_weights!r}")
         if self.cuda_graphs not in ("hostfn", "segments", "off"):
@@ -122,8 +126,7 @@ class PolicyConfig:
                      "deferred_experts"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"policy.{knob} must be >= 0, got {getattr(self, knob)}")
-        for knob in ("batch_cap", "max_batch", "max_context", "cpu_gemm_tile_tokens", "gpu_fp8_dequant_rows",
-                     "slp_group_experts"):
+        for knob in ("batch_cap", "max_batch", "max_context", "cpu_gemm_tile_tokens", "gpu_fp8_dequant_rows"):
             if getattr(self, knob) < 1:
                 raise ValueError(f"policy.{knob} must be >= 1, got {getattr(self, knob)}")
         if self.batch_cap > self.max_batch:

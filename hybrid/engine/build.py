@@ -20,7 +20,7 @@ from hybrid.kernels import fp8_linear
 from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
 from hybrid.prefill.ring import auto_ring_len, layout
-from hybrid.prefill.slp import kept_ring_bytes, streaming
+from hybrid.prefill.slp import group_size, kept_ring_bytes, streaming
 from hybrid.tokenizer import Tokenizer
 
 GPU_RESERVE = 2e9  # bytes left free on the GPU for activations and the allocator's slack
@@ -92,9 +92,9 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
         long_prefill = slp_context(s, model, device)
         if a.fp8_block:
             fp8_linear.warm_up(expert_gemm_shapes(a), device)
+        group = group_size(s.policy.slp_group_experts, device, model.dtype)
         chunk = s.policy.slp_chunk_tokens or auto_chunk(
-            model.args, kv_budget_bytes(s, device) - group_bytes(model.args, s.policy.slp_group_experts),
-            slot_bytes(model))
+            model.args, kv_budget_bytes(s, device) - group_bytes(model.args, group), slot_bytes(model))
     gen = Generator(model, s.policy.max_batch, s.policy.max_context, a.eos_token_id, device, long_prefill,
                     s.policy.slp_cutoff_tokens, chunk)
     if hot:
@@ -156,7 +156,7 @@ def slp_context(s: HybridConfig, model: Transformer, device: torch.device, group
     """tokens -> the stream-loading context for a chunk that long (ring length from policy.ring_len; experts
     grouped by policy.slp_group_experts unless `group` says otherwise)."""
     slot = slot_bytes(model)
-    group = s.policy.slp_group_experts if group is None else group
+    group = group_size(s.policy.slp_group_experts, device, model.dtype) if group is None else group
 
     def context(tokens: int):
         budget = (kv_budget_bytes(s, device) + kept_ring_bytes(device) - activation_bytes(model.args, tokens)

@@ -45,7 +45,7 @@ class MLA(nn.Module):
         B, S, _ = x_BSD.shape
         q_BSHK = self._query(x_BSD).view(B, S, a.num_attention_heads, a.qk_head_dim)
         q_nope_BSHN, q_pe_BSHR = q_BSHK.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
-        q_pe_BSHR = apply_rope(q_pe_BSHR, pos_BS, a.rope)
+        q_pe_BSHR.copy_(apply_rope(q_pe_BSHR, pos_BS, a.rope))  # rotated in place: q_BSHK is the whole query
 
         kv_c_BSC, k_pe_BSR = self.kv_a_proj_with_mqa(x_BSD).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         kv_c_BSC = self.kv_a_layernorm(kv_c_BSC)
@@ -63,7 +63,7 @@ class MLA(nn.Module):
         causal = S > 1 and S == kv_BTC.shape[1] and (cache is None or kv_len == S)
         visible_BST = None if causal else key_pos_BT[:, None, :] <= pos_BS[:, :, None]
         if S > 1:
-            o_BSHV = self._expanded(q_nope_BSHN, q_pe_BSHR, kv_BTC, pe_BTR, w_HXC, visible_BST)
+            o_BSHV = self._expanded(q_BSHK, kv_BTC, pe_BTR, w_HXC, visible_BST)
         else:
             o_BSHV = self._absorbed(q_nope_BSHN, q_pe_BSHR, kv_BTC, pe_BTR, w_HXC, visible_BST)
         return self.o_proj(o_BSHV.flatten(2))
@@ -81,14 +81,13 @@ class MLA(nn.Module):
         o_BSHC = torch.einsum("bsht,btc->bshc", probs_BSHT, kv_BTC)
         return torch.einsum("bshc,hvc->bshv", o_BSHC, w_uv_HVC)
 
-    def _expanded(self, q_nope_BSHN, q_pe_BSHR, kv_BTC, pe_BTR, w_HXC, visible_BST):
+    def _expanded(self, q_BSHK, kv_BTC, pe_BTR, w_HXC, visible_BST):
         """Prefill: keys and values expanded per head, then a fused attention kernel, whose memory grows with
         S·T only through the mask (visible_BST None: plain causal, no mask)."""
         a, H = self.args, self.args.num_attention_heads
         kv_BTHX = torch.einsum("btc,hxc->bthx", kv_BTC, w_HXC)
         k_nope_BTHN, v_BTHV = kv_BTHX.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
         k_BTHK = torch.cat([k_nope_BTHN, pe_BTR[:, :, None, :].expand(-1, -1, H, -1)], dim=-1)
-        q_BSHK = torch.cat([q_nope_BSHN, q_pe_BSHR], dim=-1)
         causal = visible_BST is None
         o_BHSV = F.scaled_dot_product_attention(q_BSHK.transpose(1, 2), k_BTHK.transpose(1, 2),
                                                 v_BTHV.transpose(1, 2), attn_mask=None if causal else

@@ -32,12 +32,15 @@ from hybrid.engine.placement import CpuExperts, expert_tensors
 from hybrid.model.moe import Done, MoE
 from hybrid.prefill.events import PairedEvent
 from hybrid.prefill.ring import Ring, layout
+from hybrid.kernels.combine import combine
 from hybrid.kernels.fp8_linear import dequantize, stored_linear
 
 # The loader and unloader need the GIL for a moment per expert while the model thread launches kernels; at
 # Python's default 5 ms switch interval a hand-off can wait longer than an expert's copy takes (~0.8 ms).
 SWITCH_INTERVAL_S = 2e-4
-FLUSH_ROWS = 4096  # expert-output rows summed into the tokens at a time
+# policy.slp_group_experts=auto where a grouped GEMM applies. H200, 1 dense + 1 MoE layer, 32K tokens: 1 expert at a
+# time 0.414 s, groups of 16 0.347 s, 32 0.352 s, 64 0.366 s (docs/perf-notes.md).
+AUTO_GROUP = 16
 
 
 class Pipeline:
@@ -246,21 +249,34 @@ def kept_ring_bytes(device: torch.device) -> int:
 
 
 def grouped_gemm_applies(x: torch.Tensor) -> bool:
-    """Whether experts can go in groups for activations like x: torch has a native grouped GEMM for them (torch
-    >= 2.8; on CUDA, BF16 on Hopper, compute capability 9.x — elsewhere torch loops over the groups with a
-    device->host read of the offsets, which would stall the loader, or on 10.x before torch 2.13 may fail to
-    launch). Says why, once, when not."""
-    key = (x.device.type, x.dtype)
-    if key in _NO_GROUPED_GEMM:
+    """Whether experts can go in groups for activations like x (see grouped_gemm_missing); says why, once, when
+    not."""
+    if (x.device.type, x.dtype) in _NO_GROUPED_GEMM:
         return False
+    why = grouped_gemm_missing(x.device, x.dtype)
+    return True if why is None else _no_grouped_gemm(x, why)
+
+
+def grouped_gemm_missing(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """Why experts cannot go in groups on `device` for `dtype` activations, or None when they can: torch has a
+    native grouped GEMM for them (torch >= 2.8; on CUDA, BF16 on Hopper, compute capability 9.x — elsewhere torch
+    loops over the groups with a device->host read of the offsets, which would stall the loader, or on 10.x before
+    torch 2.13 may fail to launch)."""
     if not hasattr(torch, "_grouped_mm"):
-        return _no_grouped_gemm(x, f"torch {torch.__version__} has no torch._grouped_mm (needs >= 2.8)")
-    if x.is_cuda:
-        major = torch.cuda.get_device_capability(x.device)[0]
-        if x.dtype != torch.bfloat16 or major != 9:
-            return _no_grouped_gemm(x, f"{x.dtype} on compute capability {major}.x: no native grouped GEMM "
-                                       "used here (BF16 on 9.x is)")
-    return True
+        return f"torch {torch.__version__} has no torch._grouped_mm (needs >= 2.8)"
+    if device.type == "cuda":
+        major = torch.cuda.get_device_capability(device)[0]
+        if dtype != torch.bfloat16 or major != 9:
+            return f"{dtype} on compute capability {major}.x: no native grouped GEMM used here (BF16 on 9.x is)"
+    return None
+
+
+def group_size(setting: str, device: torch.device, dtype: torch.dtype) -> int:
+    """policy.slp_group_experts as a number: `auto` is AUTO_GROUP where a grouped GEMM applies, else 1 (quietly;
+    a number asked for where none applies warns at the first prefill)."""
+    if setting != "auto":
+        return int(setting)
+    return AUTO_GROUP if grouped_gemm_missing(device, dtype) is None else 1
 
 
 def _no_grouped_gemm(x: torch.Tensor, why: str) -> bool:
@@ -302,13 +318,9 @@ class StreamedExperts(nn.Module):
         counts_dev = torch.zeros(p.n_experts, dtype=torch.int64, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))  # torch.bincount would read its max back (a sync)
         counts = p.host_counts(counts_dev)
-        tok = order // k
-        x_RD = x_TD[tok]  # R = T·K rows, expert by expert
-        w_R = weights_TK.flatten()[order].float()
+        x_RD = x_TD[order // k]  # R = T·K rows, expert by expert
         y_RD = torch.empty_like(x_RD)
-        out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
-        e = start = done = 0
-        flush = max(FLUSH_ROWS, len(flat) // 8)
+        e = start = 0
         wall0, cpu0 = time.perf_counter(), time.thread_time()
         while e < len(counts):
             slots = p.take_group(self.layer, e, len(counts))
@@ -334,12 +346,11 @@ class StreamedExperts(nn.Module):
             p.give_back(slots, [(self.layer, e + j) for j in range(len(slots))])
             p.group_sizes.append(len(slots))
             e, start = e + len(slots), end
-            if start - done >= flush or e == len(counts):  # weighted sum into the tokens, a batch of rows
-                out_TD.index_add_(0, tok[done:start], y_RD[done:start].float() * w_R[done:start, None])
-                done = start
         p.expert_loop_s += time.perf_counter() - wall0
         p.expert_loop_cpu_s += time.thread_time() - cpu0
-        return Done(out_TD.to(x_TD.dtype))
+        row_R = torch.empty_like(order)  # where each (token, pick) landed among the rows
+        row_R[order] = torch.arange(len(order), device=order.device)
+        return Done(combine(y_RD, row_R.view(ids_TK.shape), weights_TK, x_TD.dtype))
 
     def forward(self, x_TD, weights_TK, ids_TK) -> torch.Tensor:
         return self.start(x_TD, weights_TK, ids_TK).result()

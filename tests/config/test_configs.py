@@ -164,6 +164,8 @@ def test_wrong_type(override, expect):
 @pytest.mark.parametrize("overrides, knob", [
     (["policy.ring_len=zero"], "policy.ring_len"),
     (["policy.ring_len=0"], "policy.ring_len"),
+    (["policy.slp_group_experts=0"], "policy.slp_group_experts"),
+    (["policy.slp_group_experts=many"], "policy.slp_group_experts"),
     (["policy.batch_cap=99"], "policy.batch_cap"),  # > max_batch (8)
     (["policy.max_batch=4"], "policy.max_batch"),  # < batch_cap (6)
     (["policy.max_batch=0"], "policy.max_batch"),

@@ -72,7 +72,8 @@ def test_a_kept_ring_counts_as_free_in_the_next_prefills_budget(tiny_dir, monkey
     # as on a GPU, memory held (the kept ring) is not free; 5.5 slots in all, the activations left out
     monkeypatch.setattr(build, "kv_budget_bytes", lambda s, device: 5.5 * slot - slp.kept_ring_bytes(device))
     monkeypatch.setattr(build, "activation_bytes", lambda a, tokens: 0)
-    context = build.slp_context(to_settings(compose([])), hybrid, CPU)  # ring_len auto: what the budget allows
+    settings = to_settings(compose(["policy.slp_group_experts=1"]))  # no group buffer in the 5.5 slots
+    context = build.slp_context(settings, hybrid, CPU)  # ring_len auto: what the budget allows
     tokens, pos = torch.randint(2, 320, (1, 24)), torch.arange(24)[None]
     rings = []
     for _ in range(3):
@@ -336,6 +337,17 @@ def test_chunked_slp_prefill_equals_one_pass(tiny_dir):
     assert slp.generate([prompt], 1).output_ids == want
     assert chunks == [16, 16, 11], "the experts stream once per chunk"
     _same_cache(slp, ref, len(prompt))
+
+
+def test_auto_groups_where_a_grouped_gemm_applies_and_quietly_goes_one_at_a_time_elsewhere(monkeypatch):
+    assert slp.group_size("auto", CPU, torch.float32) == slp.AUTO_GROUP > 1
+    assert slp.group_size("5", CPU, torch.float32) == 5
+    monkeypatch.delattr(torch, "_grouped_mm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # auto asks for nothing in particular: no warning
+        assert slp.group_size("auto", CPU, torch.float32) == 1
+    assert slp.group_size("5", CPU, torch.float32) == 5  # asked for: kept, warned of at the first prefill
+    assert "needs >= 2.8" in slp.grouped_gemm_missing(CPU, torch.float32)
 
 
 def test_the_group_buffer_is_counted_in_the_budget():
