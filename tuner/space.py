@@ -88,16 +88,25 @@ def suggest(trial, space: dict) -> dict[str, Any]:
 
 
 def in_space(params: dict[str, Any], space: dict) -> dict[str, Any]:
-    """The entries of `params` the space can hold (others are left for the sampler)."""
+    """The entries of `params` the space can hold (others are left for the sampler).
+    Knobs written as text that may hold numbers (policy.ring_len, policy.slp_group_experts: "auto" or "16") match
+    a numeric space by value: "16" is the choice 16, and "auto" lies in no int range."""
     out = {}
     for name, value in params.items():
         spec = space.get(name)
         if spec is None:
             continue
         if spec["type"] == "categorical":
-            if value in spec["choices"]:
-                out[name] = value
-        elif spec["low"] <= value <= spec["high"]:
+            same = [c for c in spec["choices"] if c == value or str(c) == str(value)]
+            if same:
+                out[name] = same[0]
+            continue
+        if isinstance(value, str):
+            try:
+                value = float(value) if spec["type"] == "float" else int(value)
+            except ValueError:
+                continue
+        if spec["low"] <= value <= spec["high"]:
             out[name] = value
     return out
 

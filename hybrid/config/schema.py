@@ -91,7 +91,7 @@ class PolicyConfig:
     slp_cutoff_tokens: int = 128  # prompts longer than this are prefilled on the GPU by stream-loading
     ring_len: str = "auto"  # expert slots of the stream-loading ring buffer: a number >= 1, or auto
     slp_chunk_tokens: int = 0  # stream-loading prefill in chunks of this many tokens; 0 = auto (as memory allows)
-    slp_group_experts: str = "auto"  # SLP: up to this many experts on the GPU computed together; auto: 16 on Hopper
+    slp_group_experts: str = "auto"  # SLP: up to this many experts computed together; auto: 16 where it applies
     batch_cap: int = 6  # most decoding requests batched together
     max_batch: int = 8  # KV-cache slots (sequences held at once)
     max_context: int = 4096  # tokens per sequence the KV cache holds
@@ -104,9 +104,9 @@ class PolicyConfig:
     gpu_weights: str = "dense"  # FP8 weights of the GPU side: dense (dequantised once) | fp8 (kept; dequantised per use)
 
     def __post_init__(self) -> None:
-        if self.ring_len != "auto" and not (self.ring_len.isdigit() and int(self.ring_len) >= 1):
+        if self.ring_len != "auto" and not (self.ring_len.isdecimal() and int(self.ring_len) >= 1):
             raise ValueError(f"policy.ring_len must be a number >= 1 or 'auto', got {self.ring_len!r}")
-        if self.slp_group_experts != "auto" and not (self.slp_group_experts.isdigit()
+        if self.slp_group_experts != "auto" and not (self.slp_group_experts.isdecimal()
                                                      and int(self.slp_group_experts) >= 1):
             raise ValueError("policy.slp_group_experts must be a number >= 1 or 'auto', got "
                              f"{self.slp_group_experts!r}")

@@ -4,7 +4,7 @@ out's dtype (as the plain forward does: each expert's output times its FP32 weig
 y holds one row per (token, pick), grouped expert by expert as stream-loading prefill computes them; row[t, k] is
 where token t's k-th pick landed. On a GPU one Triton pass reads each y row once and writes each token once — no
 FP32 temporary the size of y, no atomics (an FP32 index_add_ over the rows cost ~24 ms per MoE layer at 32K tokens
-on the H200, this ~2); elsewhere torch ops, a slice of tokens at a time.
+on the H200, this ~1); elsewhere torch ops, a slice of tokens at a time.
 
 Legend: T tokens, K picks per token, R = T·K rows, D hidden.
 """

@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid.kernels.pointwise import expand_keys
 from hybrid.model.args import ModelArgs
 from hybrid.model.kv_cache import LatentCache
 from hybrid.model.layers import Linear, RMSNorm
-from hybrid.model.rope import apply_rope
+from hybrid.model.rope import apply_rope, apply_rope_
 
 
 class MLA(nn.Module):
@@ -45,7 +46,7 @@ class MLA(nn.Module):
         B, S, _ = x_BSD.shape
         q_BSHK = self._query(x_BSD).view(B, S, a.num_attention_heads, a.qk_head_dim)
         q_nope_BSHN, q_pe_BSHR = q_BSHK.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
-        q_pe_BSHR.copy_(apply_rope(q_pe_BSHR, pos_BS, a.rope))  # rotated in place: q_BSHK is the whole query
+        apply_rope_(q_pe_BSHR, pos_BS, a.rope)  # rotated in place: q_BSHK is the whole query
 
         kv_c_BSC, k_pe_BSR = self.kv_a_proj_with_mqa(x_BSD).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         kv_c_BSC = self.kv_a_layernorm(kv_c_BSC)
@@ -84,10 +85,10 @@ class MLA(nn.Module):
     def _expanded(self, q_BSHK, kv_BTC, pe_BTR, w_HXC, visible_BST):
         """Prefill: keys and values expanded per head, then a fused attention kernel, whose memory grows with
         S·T only through the mask (visible_BST None: plain causal, no mask)."""
-        a, H = self.args, self.args.num_attention_heads
+        a = self.args
         kv_BTHX = torch.einsum("btc,hxc->bthx", kv_BTC, w_HXC)
         k_nope_BTHN, v_BTHV = kv_BTHX.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
-        k_BTHK = torch.cat([k_nope_BTHN, pe_BTR[:, :, None, :].expand(-1, -1, H, -1)], dim=-1)
+        k_BTHK = expand_keys(k_nope_BTHN, pe_BTR)
         causal = visible_BST is None
         o_BHSV = F.scaled_dot_product_attention(q_BSHK.transpose(1, 2), k_BTHK.transpose(1, 2),
                                                 v_BTHV.transpose(1, 2), attn_mask=None if causal else

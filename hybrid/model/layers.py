@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid.kernels.fp8_linear import stored_linear
+from hybrid.kernels.pointwise import rms_norm
 from hybrid.weights import fp8
 
 
@@ -22,9 +23,7 @@ class RMSNorm(nn.Module):
         self.weight = _frozen((dim,), torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight.to(x.dtype) * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from hybrid.kernels.pointwise import rope_angles, rotate_, rotate_reference
 from hybrid.model.args import RopeArgs
 
 
@@ -41,9 +42,11 @@ def cached_inv_freq(rope: RopeArgs, dim: int, device) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, pos_BS: torch.Tensor, rope: RopeArgs) -> torch.Tensor:
     """x: [B, S, H, R] rotated by its position pos_BS: [B, S]."""
-    freqs = cached_inv_freq(rope, x.shape[-1], x.device)
-    angles = pos_BS.to(torch.float32)[..., None] * freqs  # [B, S, R/2]
-    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
-    xf = x.float().unflatten(-1, (-1, 2))
-    a, b = xf[..., 0], xf[..., 1]
-    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
+    cos, sin = rope_angles(pos_BS, cached_inv_freq(rope, x.shape[-1], x.device))
+    return rotate_reference(x, cos, sin)
+
+
+def apply_rope_(x: torch.Tensor, pos_BS: torch.Tensor, rope: RopeArgs) -> None:
+    """apply_rope in place (x may be a view: the rotary part of each query head)."""
+    cos, sin = rope_angles(pos_BS, cached_inv_freq(rope, x.shape[-1], x.device))
+    rotate_(x, cos, sin)

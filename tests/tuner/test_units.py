@@ -87,6 +87,17 @@ def test_warm_start_is_the_current_policy(tune_cfg):
     assert "cpu_gemm_tile_tokens" not in sp.warm_start(cfg, space, cores=2)
 
 
+def test_warm_start_reads_text_knobs_that_hold_numbers(tune_cfg):
+    cfg = tune_cfg("+tuner.space.slp_group_experts={type: categorical, choices: [1, 16, 32]}",
+                   "+tuner.space.ring_len={type: int, low: 2, high: 64}", "policy.slp_group_experts=16")
+    space = sp.resolve(cfg, 2, ["avx2"])
+    start = sp.warm_start(cfg, space, cores=2)
+    assert start["slp_group_experts"] == 16, "the text '16' is the choice 16"
+    assert "ring_len" not in start, "auto lies in no int range: left to the sampler"
+    cfg = tune_cfg("+tuner.space.ring_len={type: int, low: 2, high: 64}", "policy.ring_len=8")
+    assert sp.warm_start(cfg, sp.resolve(cfg, 2, ["avx2"]), cores=2)["ring_len"] == 8
+
+
 def test_trials_get_the_users_overrides_but_not_the_tuners():
     got = trial_overrides(["+hw=cpu_only", "model=tiny", "tuner.n_trials=6", "+tuner.x=1", "mode=generate",
                            "bench=kernels", "output=text", "bench.new_tokens=8", "policy.cpu_threads=3",

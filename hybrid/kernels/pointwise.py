@@ -1,0 +1,136 @@
+"""Prefill's memory-bound steps around attention in one pass each on a GPU: RMSNorm, RoPE on the query (in place) and
+the keys expanded per head. Each has the plain torch form beside it — the reference, and what runs on the CPU, for
+small inputs (decode, CUDA graph capture) and without Triton.
+
+Why: at 32K tokens on the H200 the torch forms cost ~15 ms per layer (RMSNorm: an FP32 copy, square, mean, scale,
+cast, weight — 6 kernels, ~3 ms per hidden-size norm; RoPE on the query: ~10 kernels, ~6 ms; the key concatenation
+with a broadcast ~4 ms) for ~2 ms of memory traffic.
+
+Same arithmetic as the torch forms (FP32 inside, the same roundings to the activation dtype); the norm's sum and the
+rotation's products may round differently in the last FP32 bit (summation order, fused multiply-add), so results
+can differ from the torch forms by one unit in the last place of the output dtype, rarely.
+
+Legend: T rows (tokens), D features, H heads, N non-rotary and R rotary head dims, B batch, S sequence.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+MIN_ROWS = 1024  # below this many tokens (decode, short prompts) the torch forms run: the saving is a launch or two
+
+
+def _fused(x: torch.Tensor, rows: int) -> bool:
+    return (triton is not None and x.is_cuda and rows >= MIN_ROWS and x.dtype in (torch.bfloat16, torch.float32)
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.to(x.dtype) * h.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight · x / rms(x) over the last dim, FP32 inside, in x's dtype."""
+    D = x.shape[-1]
+    rows = x.numel() // D if D else 0
+    if not (_fused(x, rows) and x.is_contiguous() and D <= 16384):
+        return rms_norm_reference(x, weight, eps)
+    out = torch.empty_like(x)
+    block = triton.next_power_of_2(D)
+    _rms_norm[(rows,)](x, weight.to(x.dtype).contiguous(), out, D, eps, BLOCK=block,
+                       num_warps=8 if block >= 4096 else 4)
+    return out
+
+
+def rope_angles(pos_BS: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, S, R/2] (FP32) of each position times each frequency."""
+    angles = pos_BS.to(torch.float32)[..., None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def rotate_reference(x_BSHR: torch.Tensor, cos_BSP: torch.Tensor, sin_BSP: torch.Tensor) -> torch.Tensor:
+    """Adjacent pairs (2i, 2i+1) of x rotated by the angles whose cos and sin are given, in FP32, as x's dtype."""
+    cos, sin = cos_BSP[:, :, None, :], sin_BSP[:, :, None, :]
+    xf = x_BSHR.float().unflatten(-1, (-1, 2))
+    a, b = xf[..., 0], xf[..., 1]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x_BSHR.dtype)
+
+
+def rotate_(x_BSHR: torch.Tensor, cos_BSP: torch.Tensor, sin_BSP: torch.Tensor) -> None:
+    """x rotated in place (x may be a strided view, e.g. the rotary part of each query head)."""
+    B, S, H, R = x_BSHR.shape
+    if not (_fused(x_BSHR, B * S) and x_BSHR.stride(-1) == 1 and R % 2 == 0):
+        x_BSHR.copy_(rotate_reference(x_BSHR, cos_BSP, sin_BSP))
+        return
+    cos, sin = cos_BSP.contiguous(), sin_BSP.contiguous()
+    st = x_BSHR.stride()
+    _rotate[(B * S,)](x_BSHR, cos, sin, S, H, st[0], st[1], st[2], R // 2,
+                      BLOCK_H=triton.next_power_of_2(H), BLOCK_P=triton.next_power_of_2(R // 2))
+
+
+def expand_keys_reference(k_nope_BTHN: torch.Tensor, pe_BTR: torch.Tensor) -> torch.Tensor:
+    H = k_nope_BTHN.shape[2]
+    return torch.cat([k_nope_BTHN, pe_BTR[:, :, None, :].expand(-1, -1, H, -1)], dim=-1)
+
+
+def expand_keys(k_nope_BTHN: torch.Tensor, pe_BTR: torch.Tensor) -> torch.Tensor:
+    """Keys per head [B, T, H, N + R]: each head's non-rotary part, then the rotary part all heads share."""
+    B, T, H, N = k_nope_BTHN.shape
+    R = pe_BTR.shape[-1]
+    if not (_fused(k_nope_BTHN, B * T) and k_nope_BTHN.stride(-1) == 1 and pe_BTR.stride(-1) == 1
+            and pe_BTR.dtype == k_nope_BTHN.dtype):
+        return expand_keys_reference(k_nope_BTHN, pe_BTR)
+    out = torch.empty(B, T, H, N + R, dtype=k_nope_BTHN.dtype, device=k_nope_BTHN.device)
+    sk, sp = k_nope_BTHN.stride(), pe_BTR.stride()
+    _expand_keys[(B * T,)](k_nope_BTHN, pe_BTR, out, T, H, N, R, sk[0], sk[1], sk[2], sp[0], sp[1],
+                           BLOCK_H=triton.next_power_of_2(H), BLOCK_N=triton.next_power_of_2(N),
+                           BLOCK_R=triton.next_power_of_2(R))
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _rms_norm(x, w, out, D, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        keep = cols < D
+        h = tl.load(x + row * D + cols, mask=keep, other=0.0).to(tl.float32)
+        n = (h * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)).to(out.dtype.element_ty)
+        wt = tl.load(w + cols, mask=keep, other=0.0)
+        tl.store(out + row * D + cols, (wt.to(tl.float32) * n.to(tl.float32)).to(out.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _rotate(x, cos, sin, S, H, sb, ss, sh, P, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
+        bs = tl.program_id(0).to(tl.int64)
+        b, s = bs // S, bs % S
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        pairs = tl.arange(0, BLOCK_P)[None, :]
+        keep = (heads < H) & (pairs < P)
+        c = tl.load(cos + bs * P + pairs, mask=pairs < P, other=0.0)
+        sn = tl.load(sin + bs * P + pairs, mask=pairs < P, other=0.0)
+        at = x + b * sb + s * ss + heads * sh + 2 * pairs
+        a = tl.load(at, mask=keep, other=0.0).to(tl.float32)
+        o = tl.load(at + 1, mask=keep, other=0.0).to(tl.float32)
+        tl.store(at, (a * c - o * sn).to(x.dtype.element_ty), mask=keep)
+        tl.store(at + 1, (a * sn + o * c).to(x.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _expand_keys(k, pe, out, T, H, N, R, kb, kt, kh, pb, pt,
+                     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+        bt = tl.program_id(0).to(tl.int64)
+        b, t = bt // T, bt % T
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        dn = tl.arange(0, BLOCK_N)[None, :]
+        dr = tl.arange(0, BLOCK_R)[None, :]
+        row = out + bt * H * (N + R) + heads * (N + R)
+        nope = tl.load(k + b * kb + t * kt + heads * kh + dn, mask=(heads < H) & (dn < N), other=0.0)
+        tl.store(row + dn, nope, mask=(heads < H) & (dn < N))
+        shared = tl.load(pe + b * pb + t * pt + dr, mask=dr < R, other=0.0)  # [1, BLOCK_R], every head's
+        tl.store(row + N + dr, tl.broadcast_to(shared, (BLOCK_H, BLOCK_R)), mask=(heads < H) & (dr < R))

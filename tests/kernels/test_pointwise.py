@@ -1,0 +1,103 @@
+"""RMSNorm, in-place RoPE and the per-head key expansion (hybrid/kernels/pointwise.py): the torch forms against
+float64 on the CPU; the one-pass Triton kernels against the torch forms on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid.kernels import pointwise as pw
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available() or pw.triton is None, reason="needs CUDA and Triton")
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units of the last place of b's magnitude (BF16: 8 significant bits)."""
+    ulp = torch.exp2(torch.floor(torch.log2(b.double().abs().clamp_min(1e-30))) - 7)
+    return (a.double() - b.double()).abs() / ulp
+
+
+def test_rms_norm_matches_float64():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 7, 96, generator=g).bfloat16(), torch.rand(96, generator=g).bfloat16() + 0.5
+    ref = x.double() / x.double().pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * w.double()
+    out = pw.rms_norm(x, w, 1e-6)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert _ulps_apart(out, ref).max() <= 1.5  # two BF16 roundings (normalised, then weighted)
+
+
+def test_rotation_in_place_on_a_view_matches_float64():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 6, 4, 12, generator=g).bfloat16()  # per head: 8 plain dims, then 4 rotary ones
+    before = q.clone()
+    angles = torch.rand(2, 6, 2, generator=g, dtype=torch.float64) * 6
+    cos, sin = angles.cos().float(), angles.sin().float()
+    pw.rotate_(q[..., 8:], cos, sin)
+    assert torch.equal(q[..., :8], before[..., :8]), "the plain dims stay as they were"
+    x = before[..., 8:].double().unflatten(-1, (-1, 2))
+    c, s = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    ref = torch.stack((x[..., 0] * c - x[..., 1] * s, x[..., 0] * s + x[..., 1] * c), -1).flatten(-2)
+    assert (q[..., 8:].double() - ref).abs().max() <= 2 ** -7 * ref.abs().max()
+
+
+def test_keys_expanded_per_head():
+    g = torch.Generator().manual_seed(2)
+    kv = torch.randn(1, 5, 3, 8 + 6, generator=g)
+    pe = torch.randn(1, 5, 4, generator=g)
+    k = pw.expand_keys(kv[..., :8], pe)
+    assert k.shape == (1, 5, 3, 12)
+    for h in range(3):
+        assert torch.equal(k[:, :, h, :8], kv[:, :, h, :8]) and torch.equal(k[:, :, h, 8:], pe)
+
+
+def test_each_asks_the_gate_with_its_row_count_and_takes_the_torch_form_when_refused(monkeypatch):
+    asked = []
+    monkeypatch.setattr(pw, "_fused", lambda x, rows: asked.append(rows) or False)
+    x, w = torch.randn(3, 4, 16), torch.ones(16)
+    assert torch.equal(pw.rms_norm(x, w, 1e-6), pw.rms_norm_reference(x, w, 1e-6))
+    q, cos, sin = torch.randn(3, 4, 2, 6), torch.rand(3, 4, 3), torch.rand(3, 4, 3)
+    want = pw.rotate_reference(q, cos, sin)
+    pw.rotate_(q, cos, sin)
+    assert torch.equal(q, want)
+    pw.expand_keys(torch.randn(3, 4, 2, 5), torch.randn(3, 4, 2))
+    assert asked == [12, 12, 12]  # rows = tokens, whatever the heads
+
+
+def test_the_gate_needs_a_gpu():
+    assert not pw._fused(torch.randn(2048, 8), 2048)  # on the CPU the torch forms run, whatever the size
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [7168, 1536, 512, 100])
+def test_triton_rms_norm_matches_the_torch_form(d, dtype):
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(pw.MIN_ROWS + 3, d, generator=g) * 3).to(dtype).cuda()
+    w = (torch.rand(d, generator=g) + 0.5).bfloat16().cuda()
+    out, ref = pw.rms_norm(x, w, 1e-6), pw.rms_norm_reference(x, w, 1e-6)
+    if dtype == torch.bfloat16:
+        apart = _ulps_apart(out, ref)
+        assert apart.max() <= 1 and (apart == 0).float().mean() > 0.99
+    else:
+        assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@GPU
+def test_triton_rotation_in_place_matches_the_torch_form():
+    g = torch.Generator().manual_seed(3)
+    B, S, H = 1, pw.MIN_ROWS + 5, 128
+    q = torch.randn(B, S, H, 192, generator=g).bfloat16().cuda()
+    angles = torch.rand(B, S, 32, generator=g).cuda() * 100
+    cos, sin = angles.cos(), angles.sin()
+    want = torch.cat([q[..., :128], pw.rotate_reference(q[..., 128:], cos, sin)], -1)
+    pw.rotate_(q[..., 128:], cos, sin)
+    apart = _ulps_apart(q, want)
+    assert apart.max() <= 1 and (apart == 0).float().mean() > 0.99
+    assert torch.equal(q[..., :128], want[..., :128])
+
+
+@GPU
+def test_triton_key_expansion_is_exact():
+    g = torch.Generator().manual_seed(4)
+    kv = torch.randn(1, pw.MIN_ROWS + 7, 128, 256, generator=g).bfloat16().cuda()
+    pe = torch.randn(1, pw.MIN_ROWS + 7, 64, generator=g).bfloat16().cuda()
+    assert torch.equal(pw.expand_keys(kv[..., :128], pe), pw.expand_keys_reference(kv[..., :128], pe))
