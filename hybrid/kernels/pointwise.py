@@ -72,7 +72,7 @@ def rotate_(x_BSHR: torch.Tensor, cos_BSP: torch.Tensor, sin_BSP: torch.Tensor) 
     cos, sin = cos_BSP.contiguous(), sin_BSP.contiguous()
     st = x_BSHR.stride()
     _rotate[(B * S,)](x_BSHR, cos, sin, S, H, st[0], st[1], st[2], R // 2,
-                      BLOCK_H=triton.next_power_of_2(H), BLOCK_P=triton.next_power_of_2(R // 2))
+                      BLOCK_H=triton.next_power_of_2(H), BLOCK_R=triton.next_power_of_2(R))
 
 
 def expand_keys_reference(k_nope_BTHN: torch.Tensor, pe_BTR: torch.Tensor) -> torch.Tensor:
@@ -107,19 +107,22 @@ if triton is not None:
         tl.store(out + row * D + cols, (wt.to(tl.float32) * n.to(tl.float32)).to(out.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _rotate(x, cos, sin, S, H, sb, ss, sh, P, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
+    def _rotate(x, cos, sin, S, H, sb, ss, sh, P, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
+        # one token's rotary dims of every head, read and written whole rows at a time (coalesced): element r pairs
+        # with r ^ 1; even r: a·cos − b·sin, odd r: b·cos + a·sin (a, b = the pair's even and odd elements)
         bs = tl.program_id(0).to(tl.int64)
         b, s = bs // S, bs % S
         heads = tl.arange(0, BLOCK_H)[:, None]
-        pairs = tl.arange(0, BLOCK_P)[None, :]
-        keep = (heads < H) & (pairs < P)
-        c = tl.load(cos + bs * P + pairs, mask=pairs < P, other=0.0)
-        sn = tl.load(sin + bs * P + pairs, mask=pairs < P, other=0.0)
-        at = x + b * sb + s * ss + heads * sh + 2 * pairs
-        a = tl.load(at, mask=keep, other=0.0).to(tl.float32)
-        o = tl.load(at + 1, mask=keep, other=0.0).to(tl.float32)
-        tl.store(at, (a * c - o * sn).to(x.dtype.element_ty), mask=keep)
-        tl.store(at + 1, (a * sn + o * c).to(x.dtype.element_ty), mask=keep)
+        r = tl.arange(0, BLOCK_R)[None, :]
+        keep = (heads < H) & (r < 2 * P)
+        c = tl.load(cos + bs * P + r // 2, mask=r < 2 * P, other=0.0)
+        sn = tl.load(sin + bs * P + r // 2, mask=r < 2 * P, other=0.0)
+        sign = tl.where(r % 2 == 0, -1.0, 1.0)
+        row = x + b * sb + s * ss + heads * sh
+        v = tl.load(row + r, mask=keep, other=0.0).to(tl.float32)
+        u = tl.load(row + (r ^ 1), mask=keep, other=0.0).to(tl.float32)
+        tl.debug_barrier()  # every pair read before any is overwritten (a pair may span threads)
+        tl.store(row + r, (v * c + sign * (u * sn)).to(x.dtype.element_ty), mask=keep)
 
     @triton.jit
     def _expand_keys(k, pe, out, T, H, N, R, kb, kt, kh, pb, pt,
