@@ -16,7 +16,7 @@ from hybrid.engine.placement import cpu_experts, expert_tensors, experts_to_cpu_
 from hybrid.engine.staging import Staging
 from hybrid.errors import ConfigError
 from hybrid.hw.detect import meminfo_bytes
-from hybrid.kernels import fp8_linear
+from hybrid.kernels import combine, fp8_linear, pointwise
 from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
 from hybrid.prefill.ring import auto_ring_len, layout
@@ -86,12 +86,14 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
     weight_bytes = place(model, device, s.policy.gpu_weights) + sum(h.nbytes for h in hot)
     if device.type == "cuda":
         print(f"GPU side: {weight_bytes / 1e9:.2f} GB of weights", file=sys.stderr)
+        pointwise.warm_up(a, device, model.dtype)  # Triton compiles now, not in a first long prompt
     check_kv_cache(s, model, device)
     long_prefill, chunk = None, 0
     if device.type == "cuda" and s.policy.moe_backend == "native":
         long_prefill = slp_context(s, model, device)
         if a.fp8_block:
             fp8_linear.warm_up(expert_gemm_shapes(a), device)
+        combine.warm_up(a.num_experts_per_tok, a.hidden_size, device, model.dtype)
         group = group_size(s.policy.slp_group_experts, device, model.dtype)
         chunk = s.policy.slp_chunk_tokens or auto_chunk(
             model.args, kv_budget_bytes(s, device) - group_bytes(model.args, group), slot_bytes(model))

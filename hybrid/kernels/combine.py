@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from hybrid.kernels.fallback import compiled
+
 try:
     import triton
     import triton.language as tl
@@ -20,6 +22,7 @@ except ImportError:  # CPU-only installs
 
 BLOCK_D = 1024  # hidden features per Triton program
 SLICE_BYTES = 1 << 28  # FP32 temporary of the torch way, per slice of tokens
+enabled = True  # False once the kernel failed to compile (warm_up)
 
 
 def combine(y_RD: torch.Tensor, row_TK: torch.Tensor, w_TK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -32,7 +35,7 @@ def combine(y_RD: torch.Tensor, row_TK: torch.Tensor, w_TK: torch.Tensor, dtype:
     out_TD = torch.empty(T, D, dtype=dtype, device=y_RD.device)
     if T == 0:
         return out_TD
-    if y_RD.is_cuda and triton is not None:
+    if enabled and y_RD.is_cuda and triton is not None:
         grid = (T, triton.cdiv(D, BLOCK_D))
         _combine[grid](y_RD.contiguous(), row_TK.contiguous(), w_TK.float().contiguous(), out_TD, D, K=K,
                        BLOCK=BLOCK_D)
@@ -42,6 +45,20 @@ def combine(y_RD: torch.Tensor, row_TK: torch.Tensor, w_TK: torch.Tensor, dtype:
         picked = y_RD[row_TK[t:t + step]].float()  # [slice, K, D]
         out_TD[t:t + step] = (picked * w_TK[t:t + step, :, None].float()).sum(1)
     return out_TD
+
+
+def warm_up(k: int, d: int, device, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Compile the kernel for k picks per token and d features now (not in a first long prompt's time); where it
+    fails, the torch form runs from now on."""
+    global enabled
+    if triton is None or torch.device(device).type != "cuda":
+        return
+
+    def run():
+        combine(torch.zeros(k, d, dtype=dtype, device=device), torch.arange(k, device=device)[None],
+                torch.ones(1, k, device=device), dtype)
+        torch.cuda.synchronize(device)
+    enabled = compiled("the experts' combine", run)
 
 
 if triton is not None:

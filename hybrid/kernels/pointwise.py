@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from hybrid.kernels.fallback import compiled
+
 try:
     import triton
     import triton.language as tl
@@ -23,11 +25,12 @@ except ImportError:  # CPU-only installs
     triton = None
 
 MIN_ROWS = 1024  # below this many tokens (decode, short prompts) the torch forms run: the saving is a launch or two
+enabled = True  # False once the kernels failed to compile (warm_up)
 
 
 def _fused(x: torch.Tensor, rows: int) -> bool:
-    return (triton is not None and x.is_cuda and rows >= MIN_ROWS and x.dtype in (torch.bfloat16, torch.float32)
-            and not torch.cuda.is_current_stream_capturing())
+    return (enabled and triton is not None and x.is_cuda and rows >= MIN_ROWS
+            and x.dtype in (torch.bfloat16, torch.float32) and not torch.cuda.is_current_stream_capturing())
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,7 +72,7 @@ def rotate_(x_BSHR: torch.Tensor, cos_BSP: torch.Tensor, sin_BSP: torch.Tensor) 
     if not (_fused(x_BSHR, B * S) and x_BSHR.stride(-1) == 1 and R % 2 == 0):
         x_BSHR.copy_(rotate_reference(x_BSHR, cos_BSP, sin_BSP))
         return
-    cos, sin = cos_BSP.contiguous(), sin_BSP.contiguous()
+    cos, sin = (t.expand(B, S, R // 2).contiguous() for t in (cos_BSP, sin_BSP))  # one row per token, as indexed
     st = x_BSHR.stride()
     _rotate[(B * S,)](x_BSHR, cos, sin, S, H, st[0], st[1], st[2], R // 2,
                       BLOCK_H=triton.next_power_of_2(H), BLOCK_R=triton.next_power_of_2(R))
@@ -95,6 +98,27 @@ def expand_keys(k_nope_BTHN: torch.Tensor, pe_BTR: torch.Tensor) -> torch.Tensor
     return out
 
 
+def warm_up(a, device, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Compile the kernels for this model's shapes now, so that a first long prompt does not pay Triton's
+    compilation (seconds) in its time to first token; where they fail, the torch forms run from now on."""
+    global enabled
+    if triton is not None and torch.device(device).type == "cuda":
+        enabled = compiled("RMSNorm, RoPE and key expansion", lambda: _warm_up(a, device, dtype))
+
+
+def _warm_up(a, device, dtype: torch.dtype) -> None:
+    n, h, nope, rope = MIN_ROWS, a.num_attention_heads, a.qk_nope_head_dim, a.qk_rope_head_dim
+    for d in {a.hidden_size, a.q_lora_rank or a.hidden_size, a.kv_lora_rank}:
+        rms_norm(torch.zeros(1, n, d, dtype=dtype, device=device), torch.ones(d, dtype=torch.bfloat16,
+                                                                              device=device), 1e-6)
+    q = torch.zeros(1, n, h, nope + rope, dtype=dtype, device=device)
+    ones = torch.ones(1, n, rope // 2, device=device)
+    rotate_(q[..., nope:], ones, ones)
+    kv = torch.zeros(1, n, h, nope + a.v_head_dim, dtype=dtype, device=device)
+    expand_keys(kv[..., :nope], torch.zeros(1, n, rope, dtype=dtype, device=device))
+    torch.cuda.synchronize(device)
+
+
 if triton is not None:
     @triton.jit
     def _rms_norm(x, w, out, D, eps, BLOCK: tl.constexpr):
@@ -106,7 +130,7 @@ if triton is not None:
         wt = tl.load(w + cols, mask=keep, other=0.0)
         tl.store(out + row * D + cols, (wt.to(tl.float32) * n.to(tl.float32)).to(out.dtype.element_ty), mask=keep)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S"])  # one compiled variant whatever the prompt's length
     def _rotate(x, cos, sin, S, H, sb, ss, sh, P, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
         # one token's rotary dims of every head, read and written whole rows at a time (coalesced): element r pairs
         # with r ^ 1; even r: a·cos − b·sin, odd r: b·cos + a·sin (a, b = the pair's even and odd elements)
@@ -124,7 +148,7 @@ if triton is not None:
         tl.debug_barrier()  # every pair read before any is overwritten (a pair may span threads)
         tl.store(row + r, (v * c + sign * (u * sn)).to(x.dtype.element_ty), mask=keep)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])
     def _expand_keys(k, pe, out, T, H, N, R, kb, kt, kh, pb, pt,
                      BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
         bt = tl.program_id(0).to(tl.int64)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid.kernels import pointwise as pw
+from hybrid.kernels import combine, pointwise as pw
+from hybrid.kernels.fallback import compiled
+from hybrid.model.args import ModelArgs
+from hybrid.weights.presets import DEEPSEEK_V3
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available() or pw.triton is None, reason="needs CUDA and Triton")
 
@@ -64,6 +67,46 @@ def test_each_asks_the_gate_with_its_row_count_and_takes_the_torch_form_when_ref
 
 def test_the_gate_needs_a_gpu():
     assert not pw._fused(torch.randn(2048, 8), 2048)  # on the CPU the torch forms run, whatever the size
+
+
+def test_kernels_that_fail_to_compile_leave_the_torch_forms_with_a_warning():
+    def broken():
+        raise RuntimeError("PTX assembly failed")
+
+    with pytest.warns(UserWarning, match="RoPE.*PTX assembly failed.*torch forms run instead"):
+        assert compiled("RMSNorm, RoPE and key expansion", broken) is False
+    assert compiled("x", lambda: None) is True
+
+
+def test_warm_up_off_a_gpu_does_nothing():
+    a = ModelArgs.from_hf_config(DEEPSEEK_V3)
+    pw.warm_up(a, "cpu")
+    combine.warm_up(8, 7168, "cpu")
+    assert pw.enabled and combine.enabled
+
+
+@GPU
+def test_warm_up_compiles_for_the_model_and_keeps_the_kernels_on():
+    pw.warm_up(ModelArgs.from_hf_config(DEEPSEEK_V3), "cuda")
+    combine.warm_up(8, 7168, "cuda")
+    assert pw.enabled and combine.enabled
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_rotation_and_keys_with_a_batch_and_odd_head_counts(dtype):
+    g = torch.Generator().manual_seed(5)
+    B, S, H = 2, pw.MIN_ROWS // 2 + 3, 5
+    q = torch.randn(B, S, H, 16 + 12, generator=g).to(dtype).cuda()
+    angles = torch.rand(1, S, 6, generator=g).cuda() * 50  # one set of positions for the batch, broadcast
+    cos, sin = angles.cos(), angles.sin()
+    want = pw.rotate_reference(q[..., 16:], cos.expand(B, -1, -1), sin.expand(B, -1, -1))
+    scale = q[..., 16:].abs().amax(-1, keepdim=True).float()
+    pw.rotate_(q[..., 16:], cos, sin)
+    assert ((q[..., 16:].float() - want.float()).abs() <= 2 ** -6 * scale).all()
+    kv = torch.randn(B, S, H, 16 + 8, generator=g).to(dtype).cuda()
+    pe = torch.randn(B, S, 12, generator=g).to(dtype).cuda()
+    assert torch.equal(pw.expand_keys(kv[..., :16], pe), pw.expand_keys_reference(kv[..., :16], pe))
 
 
 @GPU
