@@ -31,6 +31,7 @@ def stop_group(proc, grace_s: float = 10.0) -> None:
             continue
         if not alive():
             return
+        time.sleep(0.1)  # the leader is gone, others of its group are not: wait for them without spinning
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

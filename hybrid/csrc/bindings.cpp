@@ -36,9 +36,7 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("address", [](HostJob& j) { return reinterpret_cast<uintptr_t>(&j); })
       .def_readwrite("error", &HostJob::error)
       .def_readwrite("calls", &HostJob::calls)
-      .def_readwrite("submit_s", &HostJob::submit_s)
-      .def_readwrite("cpu_s", &HostJob::cpu_s)
-      .def_readwrite("wait_s", &HostJob::wait_s);
+      .def_readwrite("cpu_s", &HostJob::cpu_s);
   m.attr("host_submit_fn") = reinterpret_cast<uintptr_t>(&hybrid_host_submit);
   m.attr("host_wait_fn") = reinterpret_cast<uintptr_t>(&hybrid_host_wait);
 }

@@ -18,7 +18,7 @@ struct HostJob {
   View x, ids, weights, out;
   std::string isa, error;
   int64_t calls = 0;
-  double submit_s = 0, cpu_s = 0, wait_s = 0;  // in host_submit; submit to joined; in host_wait (stream stalled)
+  double cpu_s = 0;  // from submit to joined
   int64_t t_submit_ns = 0;
 };
 

@@ -90,11 +90,11 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
     check_kv_cache(s, model, device)
     long_prefill, chunk = None, 0
     if device.type == "cuda" and s.policy.moe_backend == "native":
-        long_prefill = slp_context(s, model, device)
+        group = group_size(s.policy.slp_group_experts, device, model.dtype)
+        long_prefill = slp_context(s, model, device, group)
         if a.fp8_block:
             fp8_linear.warm_up(expert_gemm_shapes(a), device)
         combine.warm_up(a.num_experts_per_tok, a.hidden_size, device, model.dtype)
-        group = group_size(s.policy.slp_group_experts, device, model.dtype)
         chunk = s.policy.slp_chunk_tokens or auto_chunk(
             model.args, kv_budget_bytes(s, device) - group_bytes(model.args, group), slot_bytes(model))
     gen = Generator(model, s.policy.max_batch, s.policy.max_context, a.eos_token_id, device, long_prefill,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -137,7 +137,7 @@ class _SegmentCapture:
 class _Graph:
     steps: list[Callable[[], None]]
     logits: torch.Tensor
-    jobs: list = field(default_factory=list)  # (native job, CpuMoE) per MoE layer
+    jobs: list  # (native job, CpuMoE) per MoE layer
 
 
 class GraphedDecode:
@@ -177,15 +177,16 @@ class GraphedDecode:
         for step in graph.steps:
             step()
         torch.cuda.current_stream().synchronize()  # the sampler reads the logits next anyway
-        errors = [job.error for job, _ in graph.jobs if job.error]
-        for job, _ in graph.jobs:
-            job.error = ""
-        if errors:
+        failed = [job for job, _ in graph.jobs if job.error]
+        if failed:
+            errors = [job.error for job in failed]
+            for job in failed:  # seen: the jobs run again next step
+                job.error = ""
             raise RuntimeError("CPU experts in a graphed decode step: " + "; ".join(errors))
         return graph.logits
 
     def jobs(self) -> list:
-        """The native jobs of every captured graph (their own timings: submit_s, cpu_s, wait_s, calls)."""
+        """The native jobs of every captured graph (their own timings: cpu_s, calls)."""
         return [job for g in self.graphs.values() for job, _ in g.jobs]
 
     def _inputs(self, b: int):

@@ -59,6 +59,10 @@ class HotExperts(nn.Module):
         flat = ids_TK.flatten().to(self.counts.device)
         self.counts.index_add_(0, flat, torch.ones_like(flat, dtype=self.counts.dtype))
 
+    def observe_counts(self, counts_E: torch.Tensor) -> None:
+        """Count picks already counted per expert (stream-loading prefill counts them anyway)."""
+        self.counts.add_(counts_E.to(self.counts.device))
+
     def _linear(self, x: torch.Tensor, proj: str, j: int) -> torch.Tensor:
         scale = getattr(self, f"{proj}_s")[j] if self.block is not None else None
         return stored_linear(x, getattr(self, f"{proj}_w")[j], scale, self.block)

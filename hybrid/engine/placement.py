@@ -22,11 +22,10 @@ from torch import nn
 from hybrid.kernels.moe import CpuMoE
 from hybrid.model.layers import Linear
 from hybrid.model.moe import MoE, RoutedExperts
-from hybrid.engine.hot_experts import HotExperts
+from hybrid.engine.hot_experts import PROJ, HotExperts
 from hybrid.engine.staging import Deferral, Staging, record_wait
 from hybrid.prefill.ring import layout
 
-PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
 def _cpu_op(experts: RoutedExperts, kernel: str) -> CpuMoE:

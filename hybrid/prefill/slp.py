@@ -311,12 +311,12 @@ class StreamedExperts(nn.Module):
         # Rows grouped by expert once per layer, on the device; one device->host read per layer (the counts, through
         # pinned memory). No host->device copy here: it would queue behind the loader's expert copies.
         flat = ids_TK.flatten()
-        hot = p.layers[self.layer].hot
-        if hot is not None:  # the routing statistics that choose the GPU-resident experts
-            hot.observe(ids_TK)
         order = flat.argsort(stable=True)
         counts_dev = torch.zeros(p.n_experts, dtype=torch.int64, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))  # torch.bincount would read its max back (a sync)
+        hot = p.layers[self.layer].hot
+        if hot is not None:  # the routing statistics that choose the GPU-resident experts
+            hot.observe_counts(counts_dev)
         counts = p.host_counts(counts_dev)
         x_RD = x_TD[order // k]  # R = T·K rows, expert by expert
         y_RD = torch.empty_like(x_RD)

@@ -140,6 +140,18 @@ def _streamed_layer(hybrid, group: int, x, w, ids, device=CPU):
     return got, pipe
 
 
+def test_a_streamed_layer_counts_its_routing_for_the_hot_experts(tiny_dir):
+    from hybrid.engine.hot_experts import HotExperts
+
+    _, hybrid = _models(tiny_dir)
+    layer = cpu_experts(hybrid)[0]
+    layer.attach_hot(HotExperts(layer.host_experts, 2, CPU))
+    x, w, ids = _layer_inputs(hybrid, 6)
+    _streamed_layer(hybrid, 1, x, w, ids)
+    want = torch.bincount(ids.flatten(), minlength=16).float()
+    assert torch.equal(layer.hot.counts, want) and want.sum() == ids.numel()
+
+
 @pytest.fixture
 def grouped_calls(monkeypatch):
     """Counts torch._grouped_mm calls (the real one runs), with a fresh record of where it is missing."""

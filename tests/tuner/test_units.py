@@ -68,11 +68,6 @@ def test_space_overridable_and_versioned(tune_cfg):
     assert sp.study_name(tune_cfg("tuner.n_trials=99"), s0) == name0, "more trials: the same study"
 
 
-def test_stream_loading_knobs_join_the_space_as_documented(tune_cfg):
-    cfg = tune_cfg("+tuner.space.slp_group_experts={type: categorical, choices: [1, 16, 32]}")
-    assert sp.resolve(cfg, 2, ["avx2"])["slp_group_experts"]["choices"] == [1, 16, 32]
-
-
 def test_space_rejects_what_is_not_a_knob(tune_cfg):
     with pytest.raises(Exception, match="not a policy knob"):
         tune_cfg("+tuner.space.nope={type:int,low:1,high:2}")
