@@ -73,11 +73,8 @@ def _graphed(engine, cfg, ctx: int, graphs: GraphedDecode) -> tuple[list[float],
         jobs0.update({id(j): j.cpu_s for j in graphs.jobs()})
     times = _timed(engine, cfg, ctx, graphs, snapshot)
     jobs = graphs.jobs()
-    parts = {"cpu_moe": sum(j.cpu_s - jobs0.get(id(j), 0.0) for j in jobs)}
-    if engine.device.type == "cuda":  # GPU busy from the profiler's kernel records over a few more steps
-        wall, busy, _ = gpu_times(lambda: _timed(engine, cfg, ctx, graphs, steps=3))
-        parts["gpu_busy"] = busy["kernels_s"] / wall
-    return times, parts
+    wall, busy, _ = gpu_times(lambda: _timed(engine, cfg, ctx, graphs, steps=3))  # kernel records, a few steps
+    return times, {"cpu_moe": sum(j.cpu_s - jobs0.get(id(j), 0.0) for j in jobs), "gpu_busy": busy["kernels_s"] / wall}
 
 
 def run(settings) -> list[Record]:
@@ -119,19 +116,27 @@ def run(settings) -> list[Record]:
     return records
 
 
-def _graph_records(cfg, ctx, mode, times, parts, bytes_step, roof, eager_tpot) -> list[Record]:
-    steps, b, tpot = len(times), cfg.batch, statistics.median(times)
+def _step_records(cfg, ctx, mode, times, bytes_step, roof, **tpot_extra) -> tuple[dict, Record, Record]:
+    """The fields every record of a mode shares, and its TPOT and TPOT-vs-bound records."""
+    b, tpot = cfg.batch, statistics.median(times)
     bound = bytes_step / (roof * 1e9)
     common = {"context": ctx, "batch": b, "mode": mode}
+    return (common,
+            Record("tpot", tpot, "s", None, b, extra={**common, "tokens_per_s": b / tpot, **tpot_extra,
+                                                      "min_s": min(times)}),
+            Record("decode_vs_expert_bound", bound / tpot, "fraction", 1.0, b,
+                   extra={**common, "bound_s": bound, "roof_gbs": roof}))
+
+
+def _graph_records(cfg, ctx, mode, times, parts, bytes_step, roof, eager_tpot) -> list[Record]:
+    steps, tpot = len(times), statistics.median(times)
+    common, tpot_record, bound_record = _step_records(cfg, ctx, mode, times, bytes_step, roof)
     return [
-        Record("tpot", tpot, "s", None, b, extra={**common, "tokens_per_s": b / tpot, "min_s": min(times)}),
-        Record("decode_vs_expert_bound", bound / tpot, "fraction", 1.0, b,
-               extra={**common, "bound_s": bound, "roof_gbs": roof}),
+        tpot_record, bound_record,
         Record("graph_speedup", eager_tpot / tpot, "x", extra={**common, "eager_tpot_s": eager_tpot}),
         Record("cpu_idle_fraction", max(0.0, 1 - parts["cpu_moe"] / steps / tpot), "fraction", extra=common),
-        *([Record("gpu_idle_fraction", 1 - parts["gpu_busy"], "fraction",
-                  extra={**common, "note": "1 - GPU kernel time / wall time over 3 steps under torch.profiler"})]
-          if "gpu_busy" in parts else []),
+        Record("gpu_idle_fraction", 1 - parts["gpu_busy"], "fraction",
+               extra={**common, "note": "1 - GPU kernel time / wall time over 3 steps under torch.profiler"}),
         Record("split.cpu_moe", parts["cpu_moe"] / steps * 1e3, "ms/step", extra=common),
     ]
 
@@ -153,14 +158,13 @@ def _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, n_dense, syncs, 
     bytes_step = per_step["experts_read"] * expert_bytes
     bound = bytes_step / (roof * 1e9)
     device_busy = sum(per_step.get(k, 0.0) for k in DEVICE_PARTS)
-    common = {"context": ctx, "batch": b, "mode": "eager"}
+    common, tpot_record, bound_record = _step_records(cfg, ctx, "eager", times, bytes_step, roof,
+                                                      syncs_per_step=syncs)
     out = [
-        Record("tpot", tpot, "s", None, b, extra={**common, "tokens_per_s": b / tpot, "syncs_per_step": syncs,
-                                                  "min_s": min(times)}),
+        tpot_record,
         Record("expert_bytes_per_token", bytes_step / b, "B", extra={**common, "experts_per_step":
                                                                      per_step["experts_read"]}),
-        Record("decode_vs_expert_bound", bound / tpot, "fraction", 1.0, b,
-               extra={**common, "bound_s": bound, "roof_gbs": roof}),
+        bound_record,
         Record("gpu_idle_fraction", max(0.0, 1 - device_busy / tpot), "fraction", extra=common),
         Record("cpu_idle_fraction", max(0.0, 1 - per_step["cpu_moe"] / tpot), "fraction", extra=common),
     ]

@@ -10,12 +10,12 @@ launch cost, as the stream-loading prefill pays it per expert.
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 from hybrid.bench.records import Record
+from hybrid.bench.timing import cuda_seconds
 from hybrid.errors import ConfigError
 from hybrid.kernels import fp8_linear
 from hybrid.prefill.slp import grouped_gemm_applies
@@ -25,14 +25,7 @@ EXPERTS = 8  # distinct weights cycled (one expert's FP8 gate+up is 29 MB; the H
 
 
 def _seconds(fn, reps: int) -> float:
-    for i in range(3):
-        fn(i)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i in range(reps):
-        fn(i)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps
+    return cuda_seconds(fn, reps, warmup=3)
 
 
 def run(settings) -> list[Record]:
@@ -41,45 +34,39 @@ def run(settings) -> list[Record]:
         raise ConfigError("bench=gpu_gemm times GPU kernels: it needs CUDA and Triton")
     tiles = [fp8_linear.Tile.parse(t) for t in cfg.fp8_tiles] or [fp8_linear.TILES[None]]
     dev, block = torch.device("cuda"), (128, 128)
-    chosen, default_tile = fp8_linear.backend(), fp8_linear.TILES[None]
     records = []
-    try:
-        for name, (n, k) in (("gate_up", (2 * cfg.inter, cfg.hidden)), ("down", (cfg.hidden, cfg.inter))):
-            g = torch.Generator().manual_seed(n)
-            weights = [tuple(t.to(dev) for t in fp8.quantize(torch.randn(n, k, generator=g) * 0.02, block))
-                       for _ in range(EXPERTS)]
-            dense = [fp8.dequantize(q, s, block, torch.bfloat16) for q, s in weights]
-            for m in cfg.gemm_rows:
-                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-                flop = 2 * m * n * k
-                bound = flop / _seconds(lambda i: F.linear(x, dense[i % EXPERTS]), cfg.repeats * 6) / 1e12
-                ways = {"dequant_triton": lambda i: F.linear(x, fp8_linear.dequantize(*weights[i % EXPERTS], block)),
-                        "dequant_torch": lambda i: F.linear(x, fp8.dequantize(*weights[i % EXPERTS], block))}
-                first = len(records)
-                fp8_linear.set_backend("triton")
-                for tile in tiles if m > 256 else tiles[:1]:  # the swept tile serves prefill-sized rows only
-                    fp8_linear.TILES[None] = tile
+    for name, (n, k) in (("gate_up", (2 * cfg.inter, cfg.hidden)), ("down", (cfg.hidden, cfg.inter))):
+        g = torch.Generator().manual_seed(n)
+        weights = [tuple(t.to(dev) for t in fp8.quantize(torch.randn(n, k, generator=g) * 0.02, block))
+                   for _ in range(EXPERTS)]
+        stack = torch.stack([fp8.dequantize(q, s, block, torch.bfloat16) for q, s in weights])  # [G, N, K]
+        dense = stack.unbind(0)
+        for m in cfg.gemm_rows:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            flop = 2 * m * n * k
+            bound = flop / _seconds(lambda i: F.linear(x, dense[i % EXPERTS]), cfg.repeats * 6) / 1e12
+            ways = {"dequant_triton": lambda i: F.linear(x, fp8_linear.dequantize(*weights[i % EXPERTS], block)),
+                    "dequant_torch": lambda i: F.linear(x, fp8.dequantize(*weights[i % EXPERTS], block))}
+            first = len(records)
+            # the swept tile serves prefill-sized rows only
+            for tile in tiles if fp8_linear.uses_large_tile(m) else tiles[:1]:
+                with fp8_linear.overridden("triton", tile):
                     records.append(_record(f"triton_gemm {fp8_linear.tile_for(m)}",
                                            lambda i: fp8_linear.fp8_linear(x, *weights[i % EXPERTS], block),
                                            cfg, flop, bound, m, n, k, name))
-                fp8_linear.set_backend("dequant")
-                for way, fn in ways.items():
-                    records.append(_record(way, fn, cfg, flop, bound, m, n, k, name))
-                records += _grouped(dense, m, n, k, cfg, flop, bound, name)
-                records.append(Record("cublas_bf16", bound, "TFLOP/s", None, m, n, k, "bf16", {"matrix": name}))
-                print(f"{name} m={m}: " + ", ".join(f"{r.name} {r.value:.0f}" for r in records[first:])
-                      + " TFLOP/s", file=sys.stderr)
-    finally:
-        fp8_linear.set_backend(chosen)
-        fp8_linear.TILES[None] = default_tile
+            for way, fn in ways.items():
+                records.append(_record(way, fn, cfg, flop, bound, m, n, k, name))
+            records += _grouped(stack, m, n, k, cfg, flop, bound, name)
+            records.append(Record("cublas_bf16", bound, "TFLOP/s", None, m, n, k, "bf16", {"matrix": name}))
+            print(f"{name} m={m}: " + ", ".join(f"{r.name} {r.value:.0f}" for r in records[first:])
+                  + " TFLOP/s", file=sys.stderr)
     return records
 
 
-def _grouped(dense, m, n, k, cfg, flop, bound, matrix) -> list[Record]:
-    """All the cycled experts' BF16 weights in one grouped GEMM (torch._grouped_mm, as stream-loading prefill's
-    expert groups run), m rows each; reported per expert. None where torch has no grouped GEMM here."""
-    g = len(dense)
-    stack = torch.stack(dense)  # [G, N, K]
+def _grouped(stack, m, n, k, cfg, flop, bound, matrix) -> list[Record]:
+    """All the cycled experts' BF16 weights ([G, N, K]) in one grouped GEMM (torch._grouped_mm, as stream-loading
+    prefill's expert groups run), m rows each; reported per expert. None where torch has no grouped GEMM here."""
+    g = len(stack)
     x = torch.randn(g * m, k, device=stack.device, dtype=torch.bfloat16)
     ends = torch.arange(1, g + 1, device=stack.device, dtype=torch.int32) * m
     if not grouped_gemm_applies(x):  # torch's loop elsewhere is not what stream-loading prefill would run

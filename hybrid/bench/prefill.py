@@ -18,6 +18,7 @@ from hybrid.bench.decode import FULL_MOE_LAYERS
 from hybrid.bench import timeline
 from hybrid.bench.gpu_profile import gpu_times
 from hybrid.bench.records import Record
+from hybrid.bench.timing import cuda_seconds
 from hybrid.config.compose import RUNS_DIR
 from hybrid.engine.build import build, expert_gemm_shapes, slp_context
 from hybrid.errors import ConfigError
@@ -41,13 +42,7 @@ def h2d_rate(gigabytes: float = 1.0) -> float:
 def matmul_rate(m: int = 8192, n: int = 2048, k: int = 7168) -> float:
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    a @ b.t()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        a @ b.t()
-    torch.cuda.synchronize()
-    return 2 * m * n * k * 20 / (time.perf_counter() - t0) / 1e12
+    return 2 * m * n * k / cuda_seconds(lambda i: a @ b.t(), 20) / 1e12
 
 
 def _ttft(engine, n: int, ring_len=None, context=None, loop: dict | None = None) -> float:
@@ -79,18 +74,12 @@ def _tile_sweep(engine, n: int, specs) -> list[Record]:
     """TTFT with each Triton tile for prefill-sized row counts (`bench.fp8_tiles`); the default is restored."""
     if not specs or fp8_linear.triton is None:
         return []
-    default, shapes = fp8_linear.TILES[None], expert_gemm_shapes(engine.model.args)
-    chosen, out = fp8_linear.backend(), []
-    fp8_linear.set_backend("triton")  # every row count through the FP8 GEMM
-    try:
-        for spec in specs:
-            fp8_linear.set_large_tile(spec)
+    default, shapes, out = fp8_linear.TILES[None], expert_gemm_shapes(engine.model.args), []
+    for spec in specs:
+        with fp8_linear.overridden("triton", fp8_linear.Tile.parse(spec)):  # every row count through the FP8 GEMM
             fp8_linear.warm_up(shapes, engine.device)  # compile outside the timing
             out.append(Record("slp_fp8_tile", _ttft(engine, n), "s", None, n,
                               extra={"tile": str(fp8_linear.TILES[None]), "default": str(default)}))
-    finally:
-        fp8_linear.TILES[None] = default
-        fp8_linear.set_backend(chosen)
     return out
 
 
@@ -111,7 +100,8 @@ def prefill_flops(a, n: int) -> float:
     expert = 3 * d * a.moe_intermediate_size
     total = attention_flops(a, n)
     for layer in range(a.num_hidden_layers):
-        mlp = (a.num_experts_per_tok + a.n_shared_experts) * expert if a.is_moe_layer(layer) else 3 * d * a.intermediate_size
+        moe = a.is_moe_layer(layer)
+        mlp = (a.num_experts_per_tok + a.n_shared_experts) * expert if moe else 3 * d * a.intermediate_size
         total += 2 * n * (proj + mlp)
     return total + 2 * d * a.vocab_size
 
@@ -123,15 +113,10 @@ def attention_rate(a, n: int) -> float:
     q, k = (torch.randn(1, n, h, a.qk_head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
     kv = torch.randn(1, n, h, a.qk_nope_head_dim + a.v_head_dim, device="cuda", dtype=torch.bfloat16)
     v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)[1].transpose(1, 2)
-    attend = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=a.softmax_scale)  # noqa: E731
-    attend()
-    torch.cuda.synchronize()
     reps = max(1, min(20, int(2e14 // attention_flops(a, n, 1))))
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        attend()
-    torch.cuda.synchronize()
-    return attention_flops(a, n, 1) * reps / (time.perf_counter() - t0) / 1e12
+    seconds = cuda_seconds(lambda i: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=a.softmax_scale),
+                           reps)
+    return attention_flops(a, n, 1) / seconds / 1e12
 
 
 def run(settings) -> list[Record]:
@@ -150,13 +135,13 @@ def run(settings) -> list[Record]:
     print(f"pinned H2D {h2d:.1f} GB/s, BF16 matmul {mm:.0f} TFLOP/s", file=sys.stderr)
     records = [Record("h2d_pinned", h2d, "GB/s"), Record("gpu_bf16_matmul", mm, "TFLOP/s")]
     _ttft(engine, min(cfg.prompt_lengths))  # warm-up
+    transfer = n_moe * a.n_routed_experts * expert_bytes / (h2d * 1e9)  # every expert once per prompt
     for n in cfg.prompt_lengths:
-        moved = n_moe * a.n_routed_experts * expert_bytes
         flops, attn = prefill_flops(a, n), attention_flops(a, n)
-        bound = max(moved / (h2d * 1e9), flops / (mm * 1e12))
+        bound = max(transfer, flops / (mm * 1e12))
         # beside it (not instead): attention's FLOPs at the attention kernel's own measured rate
         attn_rate = attention_rate(a, n)
-        bound_attn = max(moved / (h2d * 1e9), (flops - attn) / (mm * 1e12) + attn / (attn_rate * 1e12))
+        bound_attn = max(transfer, (flops - attn) / (mm * 1e12) + attn / (attn_rate * 1e12))
         first = _ttft(engine, n)  # a first prompt of a new length also pays the allocator's growth
         loop: dict = {}
         t = _ttft(engine, n, loop=loop)
@@ -178,16 +163,12 @@ def run(settings) -> list[Record]:
         loop = {}
         t = _ttft(engine, longest, context=slp_context(s, engine.model, engine.device, group), loop=loop)
         records.append(Record("slp_group_sweep", t, "s", None, longest, extra={"slp_group_experts": group, **loop}))
-    chosen = fp8_linear.backend()
-    try:
-        for gemm in fp8_linear.BACKENDS:  # the FP8 math on the streamed experts: FP8 GEMM, dequantise, by rows
-            fp8_linear.set_backend(gemm)
+    for gemm in fp8_linear.BACKENDS:  # the FP8 math on the streamed experts: FP8 GEMM, dequantise, by rows
+        with fp8_linear.overridden(gemm):
             t = _ttft(engine, longest)
-            records.append(Record("slp_fp8_gemm", t, "s", None, longest, extra={
-                "backend": gemm, "applies": a.fp8_block is not None and (gemm == "dequant" or fp8_linear.triton
-                                                                          is not None)}))
-    finally:
-        fp8_linear.set_backend(chosen)
+        records.append(Record("slp_fp8_gemm", t, "s", None, longest, extra={
+            "backend": gemm, "applies": a.fp8_block is not None and (gemm == "dequant" or fp8_linear.triton
+                                                                      is not None)}))
     records += _tile_sweep(engine, longest, cfg.fp8_tiles)
     trace = None
     if cfg.trace:

@@ -104,12 +104,10 @@ class PolicyConfig:
     gpu_weights: str = "dense"  # FP8 weights of the GPU side: dense (dequantised once) | fp8 (kept; dequantised per use)
 
     def __post_init__(self) -> None:
-        if self.ring_len != "auto" and not (self.ring_len.isdecimal() and int(self.ring_len) >= 1):
-            raise ValueError(f"policy.ring_len must be a number >= 1 or 'auto', got {self.ring_len!r}")
-        if self.slp_group_experts != "auto" and not (self.slp_group_experts.isdecimal()
-                                                     and int(self.slp_group_experts) >= 1):
-            raise ValueError("policy.slp_group_experts must be a number >= 1 or 'auto', got "
-                             f"{self.slp_group_experts!r}")
+        for knob in ("ring_len", "slp_group_experts"):  # text knobs: a number or auto
+            value = getattr(self, knob)
+            if value != "auto" and not (value.isdecimal() and int(value) >= 1):
+                raise ValueError(f"policy.{knob} must be a number >= 1 or 'auto', got {value!r}")
         if self.gpu_weights not in ("dense", "fp8"):
             raise ValueError(f"policy.gpu_weights must be dense or fp8, got {self.gpu_weights!r}")
         if self.cuda_graphs not in ("hostfn", "segments", "off"):

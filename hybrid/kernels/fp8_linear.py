@@ -14,6 +14,7 @@ Legend: M rows of x (tokens), N output features, K input features.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -65,12 +66,27 @@ TILES = {16: Tile(16, 128, 128, 4, 3), 256: Tile(64, 128, 128, 4, 3), None: Tile
 
 
 def tile_for(m: int) -> Tile:
-    return next(t for limit, t in TILES.items() if limit is None or m <= limit)
+    return TILES[None] if uses_large_tile(m) else next(t for limit, t in TILES.items() if limit and m <= limit)
 
 
-def set_large_tile(spec: str) -> None:
-    """The tile for more than 256 rows (prefill); the benchmark sweeps it."""
-    TILES[None] = Tile.parse(spec)
+def uses_large_tile(m: int) -> bool:
+    """Whether m rows take the prefill tile, TILES[None] (more rows than any other tile's limit)."""
+    return m > max(limit for limit in TILES if limit is not None)
+
+
+@contextlib.contextmanager
+def overridden(backend: str | None = None, large_tile: Tile | None = None):
+    """Within the block, this backend and prefill tile; the chosen ones are back afterwards (benchmarks)."""
+    chosen, tile = _backend, TILES[None]
+    try:
+        if backend is not None:
+            set_backend(backend)
+        if large_tile is not None:
+            TILES[None] = large_tile
+        yield
+    finally:
+        set_backend(chosen)
+        TILES[None] = tile
 
 
 def set_backend(name: str, dequant_from_rows: int | None = None) -> None:
@@ -161,17 +177,13 @@ def warm_up(shapes, device) -> None:
     prefill does not pay Triton's compilation (seconds) in its time to first token."""
     if triton is None or torch.device(device).type != "cuda":
         return
-    chosen = _backend
-    try:
-        for n, k in shapes:
-            q = torch.zeros(n, k, dtype=fp8.FP8, device=device)
-            s = torch.ones(-(-n // 128), -(-k // 128), dtype=torch.float32, device=device)
-            for how, rows in (("triton", (1, 64, 512)), ("dequant", (1,))):  # every tile, the dequantise kernel
-                set_backend(how)
+    for n, k in shapes:
+        q = torch.zeros(n, k, dtype=fp8.FP8, device=device)
+        s = torch.ones(-(-n // 128), -(-k // 128), dtype=torch.float32, device=device)
+        for how, rows in (("triton", (1, 64, 512)), ("dequant", (1,))):  # every tile, the dequantise kernel
+            with overridden(how):
                 for m in rows:
                     fp8_linear(torch.zeros(m, k, dtype=torch.bfloat16, device=device), q, s, (128, 128))
-    finally:
-        set_backend(chosen)
     torch.cuda.synchronize(device)
 
 

@@ -108,7 +108,7 @@ def warm_up(a, device, dtype: torch.dtype = torch.bfloat16) -> None:
 
 def _warm_up(a, device, dtype: torch.dtype) -> None:
     n, h, nope, rope = MIN_ROWS, a.num_attention_heads, a.qk_nope_head_dim, a.qk_rope_head_dim
-    for d in {a.hidden_size, a.q_lora_rank or a.hidden_size, a.kv_lora_rank}:
+    for d in {a.hidden_size, a.q_lora_rank or a.hidden_size}:  # (kv_a_layernorm's input is a strided view: torch)
         rms_norm(torch.zeros(1, n, d, dtype=dtype, device=device), torch.ones(d, dtype=torch.bfloat16,
                                                                               device=device), 1e-6)
     q = torch.zeros(1, n, h, nope + rope, dtype=dtype, device=device)

@@ -38,8 +38,8 @@ def test_the_grouped_way_reports_per_expert_and_skips_where_torch_has_none(monke
     from hybrid.bench import gpu_gemm
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # the timing helper's only GPU call
-    dense = [torch.randn(64, 32).bfloat16() for _ in range(8)]
-    (rec,) = gpu_gemm._grouped(dense, 16, 64, 32, SimpleNamespace(repeats=1), 2 * 16 * 64 * 32, 100.0, "down")
+    stack = torch.randn(8, 64, 32).bfloat16()
+    (rec,) = gpu_gemm._grouped(stack, 16, 64, 32, SimpleNamespace(repeats=1), 2 * 16 * 64 * 32, 100.0, "down")
     assert rec.name == "grouped_bf16_x8" and rec.value > 0 and rec.bound == 100.0 and rec.m == 16
     assert rec.extra["matrix"] == "down" and rec.extra["us_per_expert"] > 0
 
@@ -47,5 +47,5 @@ def test_the_grouped_way_reports_per_expert_and_skips_where_torch_has_none(monke
         raise RuntimeError("no grouped gemm")
 
     monkeypatch.setattr(torch, "_grouped_mm", unsupported)
-    assert gpu_gemm._grouped(dense, 16, 64, 32, SimpleNamespace(repeats=1), 1.0, 1.0, "down") == []
+    assert gpu_gemm._grouped(stack, 16, 64, 32, SimpleNamespace(repeats=1), 1.0, 1.0, "down") == []
     assert "not available here" in capsys.readouterr().err

@@ -43,12 +43,15 @@ def test_tiles_parse_and_pick_by_rows():
         with pytest.raises(ValueError, match="tile"):
             fl.Tile.parse(bad)
     assert fl.tile_for(1).bm == 16 and fl.tile_for(200).bm == 64 and fl.tile_for(5000) == fl.TILES[None]
-    default = fl.TILES[None]
-    try:
-        fl.set_large_tile("64x256x64/4/4")
+    assert not fl.uses_large_tile(256) and fl.uses_large_tile(257)
+    default, chosen = fl.TILES[None], fl.backend()
+    with fl.overridden("dequant", fl.Tile.parse("64x256x64/4/4")):
         assert fl.tile_for(5000) == fl.Tile(64, 256, 64, 4, 4) and fl.tile_for(200).bm == 64
-    finally:
-        fl.TILES[None] = default
+        assert fl.backend() == "dequant"
+    assert fl.TILES[None] is default and fl.backend() == chosen, "both back after the block"
+    with pytest.raises(RuntimeError, match="inside"), fl.overridden(large_tile=fl.Tile.parse("64x256x64/4/4")):
+        raise RuntimeError("inside")
+    assert fl.TILES[None] is default, "back after an error too"
 
 
 def test_unknown_backend_and_bad_row_threshold_are_refused():
@@ -80,12 +83,8 @@ def test_auto_takes_the_fp8_gemm_for_few_rows_and_dequantises_for_many(monkeypat
 @pytest.mark.parametrize("tile", ["128x128x64/8/3", "128x256x64/8/3", "64x128x128/4/4"])
 def test_other_large_row_tiles_compute_the_same(tile):
     x, q, s, ref = _case(700, 128 * 3 + 5, 128 * 4 + 70, "cuda")
-    default = fl.TILES[None]
-    try:
-        fl.set_large_tile(tile)
+    with fl.overridden(large_tile=fl.Tile.parse(tile)):
         assert _rel_err(fl.fp8_linear(x, q, s, (128, 128)), ref) < 5e-3
-    finally:
-        fl.TILES[None] = default
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or fl.triton is None, reason="needs CUDA and Triton")
