@@ -1,0 +1,285 @@
+"""The serving engine: one object that owns the placed model, its KV slots, the decode strategy (eager or CUDA
+graphs), the stream-loading prefill and the hot experts, and serves requests as they come.
+
+    engine = build(settings, hw)                    # hybrid/engine/build.py
+    rid = engine.add_request(prompt_ids, SamplingParams(max_tokens=64, temperature=0.7, seed=1))
+    while engine.has_work():
+        for out in engine.step():                   # new tokens and text per request; why it finished
+            ...
+    engine.abort(rid)                               # from any thread: its slot is free after the next step
+
+`add_request` and `abort` may be called from any thread; `step` from one (the engine's) at a time. A request's
+greedy tokens do not depend on its batch mates, and a seeded request samples the same tokens whatever they are.
+Scheduling: hybrid/engine/scheduler.py.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterable, Optional, Sequence
+
+import torch
+
+from hybrid.engine.plan import Plan
+from hybrid.engine.requests import FinishReason, Request, RequestError, RequestOutput, SamplingParams, State
+from hybrid.engine.sampler import Sampler, choose
+from hybrid.engine.scheduler import Chunk, Scheduler
+from hybrid.model.kv_cache import KVCache
+from hybrid.model.transformer import Transformer
+from hybrid.tokenizer import Tokenizer
+
+# decode(tokens_B1, pos_B1, slots_B, kv_len) -> logits_BV: eager, or replayed CUDA graphs
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+@dataclass
+class Completion:
+    """A finished request, as `Engine.generate` returns it."""
+    id: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: Optional[FinishReason]
+    error: str
+    ttft_s: float
+    tpot_s: float
+    token_times: list[float]
+
+
+class Engine:
+    def __init__(self, model: Transformer, plan: Plan, tokenizer: Optional[Tokenizer] = None,
+                 cache: Optional[KVCache] = None, decode: Optional[DecodeFn] = None,
+                 long_prefill: Optional[Callable[[int], ContextManager]] = None,
+                 after_long_prefill: Optional[Callable[[], None]] = None, parts: Optional[dict] = None):
+        """cache: the KV slots (default: plan.max_batch x plan.max_context on plan.device); decode: the decode step
+        (default: eager); long_prefill(tokens): the context in which a prompt's chunk of that many tokens is prefilled by
+        stream-loading (None: every prompt takes the chunked path); after_long_prefill: called after one (e.g. move
+        the hottest experts onto the GPU). `parts`: the placement's objects, for benchmarks and tests (staging,
+        graphs, stream loader, hot experts)."""
+        self.model, self.tokenizer, self.plan = model, tokenizer, plan
+        self.cache = cache or model.new_cache(plan.max_batch, plan.max_context, plan.device)
+        self.device = plan.device
+        self._decode = decode or self._eager_decode
+        self._long_prefill, self._after_long_prefill = long_prefill, after_long_prefill
+        self.parts = dict(parts or {})
+        self.eos_id = model.args.eos_token_id
+        self.scheduler = Scheduler(self.cache.slots, plan.batch_cap, plan.prefill_chunk_tokens,
+                                   plan.slp_cutoff_tokens if long_prefill is not None else None)
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._inbox: list[Request] = []
+        self._aborts: set[int] = set()
+        self._requests: dict[int, Request] = {}
+        self._samplers: dict[int, Sampler] = {}
+        self.last_step_s = 0.0
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams()) -> int:
+        """Queues a request; raises RequestError (nothing queued) when it cannot be served."""
+        prompt = [int(t) for t in prompt_ids]
+        self.check(prompt, params)
+        with self._lock:
+            rid = next(self._ids)
+            self._inbox.append(Request(rid, prompt, params))
+        return rid
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Why a request cannot be served, as a RequestError (naming the numbers and the knob)."""
+        if not prompt:
+            raise RequestError("empty prompt")
+        vocab = self.model.args.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} out of range 0..{vocab - 1}")
+        need, room = len(prompt) + params.max_tokens, self.plan.max_context
+        if need > room:
+            raise RequestError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = {need} exceeds "
+                               f"the {room} tokens a KV slot holds (policy.max_context)")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need the checkpoint's tokenizer")
+
+    def abort(self, rid: int) -> None:
+        """Ends the request at the next step (reason `abort`); unknown or finished ids are ignored."""
+        with self._lock:
+            self._aborts.add(rid)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self._aborts) or self.scheduler.has_work()
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self.scheduler.waiting) + len(self._inbox)
+
+    # -- one step ---------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Admits waiting requests, runs this step's prefill work and one decode step for the decoding requests;
+        returns the progress of every request that made some (and of those that ended)."""
+        t0 = time.perf_counter()
+        changed: dict[int, Request] = {}
+        self._take_inbox(changed)
+        plan = self.scheduler.plan()
+        for chunk in plan.prefill:
+            self._prefill(chunk, changed)
+        live = [r for r in plan.decode if not r.finished]
+        if live:
+            self._decode_step(live, changed)
+        self.last_step_s = time.perf_counter() - t0
+        return [self._output(r) for r in changed.values()]
+
+    def _take_inbox(self, changed: dict[int, Request]) -> None:
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, set()
+        for req in new:
+            self._requests[req.id] = req
+            self._samplers[req.id] = Sampler(req.params)
+            self.scheduler.add(req)
+        for rid in aborts:
+            req = self._requests.get(rid)
+            if req is not None and not req.finished:
+                self._finish(req, FinishReason.abort, changed)
+
+    def _prefill(self, chunk: Chunk, changed: dict[int, Request]) -> None:
+        req = chunk.request
+        try:
+            logits = self._prefill_logits(chunk)
+        except Exception as e:  # this request fails; the others go on
+            self._fail([req], e, changed)
+            return
+        req.prefilled = chunk.end
+        if chunk.last:
+            req.state = State.decoding
+            self._append(req, self._samplers[req.id].sample(logits), changed)
+
+    def _prefill_logits(self, chunk: Chunk) -> torch.Tensor:
+        req, dev = chunk.request, self.device
+        if not chunk.streamed:
+            return self._forward(req.prompt[chunk.start:chunk.end], chunk.start, req.slot)
+        step = self.plan.slp_chunk_tokens or (chunk.end - chunk.start)
+        for start in range(chunk.start, chunk.end, step):
+            end = min(chunk.end, start + step)
+            with self._long_prefill(end - start):
+                logits = self._forward(req.prompt[start:end], start, req.slot)
+        if self._after_long_prefill is not None:
+            self._after_long_prefill()
+        return logits
+
+    def _forward(self, tokens: list[int], start: int, slot: int) -> torch.Tensor:
+        """Prefill of tokens at positions start.. into `slot`: the last token's logits."""
+        dev, end = self.device, start + len(tokens)
+        logits = self.model(torch.tensor([tokens], device=dev), torch.arange(start, end, device=dev)[None],
+                            self.cache, torch.tensor([slot], device=dev), last_only=True, kv_len=end)
+        return logits[0, -1]
+
+    def _decode_step(self, live: list[Request], changed: dict[int, Request]) -> None:
+        dev = self.device
+        positions = [r.position - 1 for r in live]  # the last generated token goes in at its position
+        try:
+            logits = self._decode(torch.tensor([[r.output[-1]] for r in live], device=dev),
+                                  torch.tensor([[p] for p in positions], device=dev),
+                                  torch.tensor([r.slot for r in live], device=dev), max(positions) + 1)
+            tokens = choose(logits, [self._samplers[r.id] for r in live])
+        except Exception as e:  # the batch's requests fail together; the engine goes on
+            self._fail(live, e, changed)
+            return
+        for req, token in zip(live, tokens):
+            self._append(req, token, changed)
+
+    def _eager_decode(self, tokens_B1, pos_B1, slots_B, kv_len: int) -> torch.Tensor:
+        return self.model(tokens_B1, pos_B1, self.cache, slots_B, kv_len=kv_len)[:, -1]
+
+    # -- tokens, text, endings --------------------------------------------------------------------------------
+    def _append(self, req: Request, token: int, changed: dict[int, Request]) -> None:
+        req.output.append(token)
+        req.token_times.append(time.perf_counter())
+        changed[req.id] = req
+        p = req.params
+        stop_token = token in p.stop_token_ids or (token == self.eos_id and not p.ignore_eos)
+        if self.tokenizer is not None:
+            req.text = self.tokenizer.decode(req.output[:-1] if stop_token else req.output)
+            cut = _first_stop(req.text, p.stop, max(0, req.shown - max(map(len, p.stop), default=0)))
+            if cut is not None:
+                req.text = req.text[:cut]
+                return self._finish(req, FinishReason.stop, changed)
+        if stop_token:
+            self._finish(req, FinishReason.stop, changed)
+        elif len(req.output) >= p.max_tokens:
+            self._finish(req, FinishReason.length, changed)
+
+    def _finish(self, req: Request, reason: FinishReason, changed: dict[int, Request], error: str = "") -> None:
+        req.finish_reason, req.error = reason, error
+        self.scheduler.finish(req)
+        self._samplers.pop(req.id, None)
+        changed[req.id] = req
+
+    def _fail(self, reqs: Iterable[Request], e: Exception, changed: dict[int, Request]) -> None:
+        where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+        msg = f"{type(e).__name__}: {e}" + (f" ({where.filename}:{where.lineno})" if where else "")
+        for req in reqs:
+            self._finish(req, FinishReason.error, changed, msg)
+
+    def _output(self, req: Request) -> RequestOutput:
+        """What is new since the last output: tokens, and text that can no longer change (no partial UTF-8
+        character, nothing that may be the start of a stop string) unless the request ended."""
+        new_tokens = req.output[req.tokens_out:]
+        req.tokens_out = len(req.output)
+        text = req.text
+        if not req.finished:
+            text = text.rstrip("\ufffd")
+            hold = _stop_prefix(text, req.params.stop)
+            text = text[:len(text) - hold]
+        delta = text[req.shown:] if len(text) > req.shown else ""
+        req.shown = max(req.shown, len(text))
+        if req.finished:
+            self._requests.pop(req.id, None)
+        return RequestOutput(req.id, new_tokens, delta, req.finished, req.finish_reason, req.error,
+                             len(req.prompt), len(req.output))
+
+    # -- convenience ------------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 on_output: Optional[Callable[[int, RequestOutput], None]] = None) -> list[Completion]:
+        """Every prompt as a request (all queued at once), stepped until all finish; on_output(prompt index, output)
+        as each step hands back progress (streaming)."""
+        many = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, many)]
+        index = {rid: i for i, rid in enumerate(ids)}
+        reqs = {rid: self._requests_soon(rid) for rid in ids}
+        while any(not r.finished for r in reqs.values()):
+            for out in self.step():
+                if on_output is not None and out.id in index:
+                    on_output(index[out.id], out)
+        return [Completion(rid, list(r.prompt), list(r.output), r.text, r.finish_reason, r.error, r.ttft_s, r.tpot_s,
+                           list(r.token_times)) for rid, r in reqs.items()]
+
+    def _requests_soon(self, rid: int) -> Request:
+        with self._lock:
+            for req in self._inbox:
+                if req.id == rid:
+                    return req
+        return self._requests[rid]
+
+
+def _first_stop(text: str, stops: tuple[str, ...], since: int) -> Optional[int]:
+    """Where the earliest stop string starts in text (searching from `since`), or None."""
+    found = [i for i in (text.find(s, since) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:
+    """Characters at the end of text that may begin a stop string (held back while streaming)."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

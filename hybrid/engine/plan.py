@@ -1,0 +1,80 @@
+"""The engine's run-time plan: every choice of the policy resolved once (`auto` and `null` replaced by what this
+machine and model get), frozen, printed at start-up and logged with the run. Built by hybrid/engine/build.py; the
+engine and the passes read their configuration from it, nothing else.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """Memory of the compute device (bytes): the budget and what each use takes from it. The stream-loading ring
+    and the prompt's activations share what is left (`free`), per prompt."""
+    budget: float = 0.0
+    weights: float = 0.0
+    kv_cache: float = 0.0
+    hot_experts: float = 0.0
+    group_buffer: float = 0.0
+
+    @property
+    def free(self) -> float:
+        return self.budget - self.kv_cache - self.hot_experts - self.group_buffer
+
+    def rows(self) -> list[tuple[str, float]]:
+        return [("weights (placed)", self.weights), ("KV cache", self.kv_cache), ("hot experts", self.hot_experts),
+                ("SLP group buffer", self.group_buffer), ("left for ring + activations", self.free)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # CPU experts
+    threads: int = 1
+    cpu_kernel: str = "auto"  # the ISA variant the native kernels run (resolved: avx512_bf16 | avx2 | generic)
+    cpu_gemm_tile_tokens: int = 64
+    moe_backend: str = "native"
+    deferred_experts: int = 0
+    # requests
+    max_batch: int = 8
+    max_context: int = 4096
+    batch_cap: int = 8
+    prefill_chunk_tokens: int = 512
+    # stream-loading prefill (on a GPU only)
+    slp_cutoff_tokens: int = 128
+    slp_chunk_tokens: int = 0  # 0 = the whole prompt at once
+    ring_len: Optional[int] = None  # None = per prompt, as deep as the ledger's free memory allows
+    slp_group_experts: int = 1
+    # GPU side
+    gpu_weights: str = "dense"
+    gpu_fp8_gemm: str = "triton"
+    gpu_fp8_dequant_rows: int = 512
+    cuda_graphs: str = "off"  # resolved: off where graphs do not apply
+    gpu_experts_per_layer: int = 0
+    ledger: Ledger = field(default_factory=Ledger)
+
+    def params(self) -> dict:
+        """Flat name -> value, for tracking."""
+        out = {k: v for k, v in asdict(self).items() if k != "ledger"}
+        out["device"] = str(self.device)
+        out.update({f"ledger.{k}": v for k, v in asdict(self.ledger).items()})
+        return out
+
+    def describe(self) -> str:
+        """The plan as the start-up banner prints it."""
+        p = self
+        lines = [f"plan: device {p.device}, {p.threads} CPU threads, CPU kernel {p.cpu_kernel} "
+                 f"(tiles reused from {p.cpu_gemm_tile_tokens} tokens per expert), experts on {p.moe_backend}",
+                 f"  requests: {p.max_batch} KV slots x {p.max_context} tokens, at most {p.batch_cap} running, "
+                 f"prefill chunks of {p.prefill_chunk_tokens} tokens"]
+        if p.device.type == "cuda":
+            ring = "auto (per prompt)" if p.ring_len is None else str(p.ring_len)
+            lines += [f"  stream-loading prefill above {p.slp_cutoff_tokens} tokens: ring {ring}, experts in groups "
+                      f"of {p.slp_group_experts}, chunks {p.slp_chunk_tokens or 'whole prompt'}",
+                      f"  GPU: weights {p.gpu_weights}, FP8 GEMM {p.gpu_fp8_gemm}, CUDA graphs {p.cuda_graphs}, "
+                      f"{p.gpu_experts_per_layer} hot experts per layer",
+                      "  memory: " + ", ".join(f"{name} {b / 1e9:.2f} GB" for name, b in p.ledger.rows())]
+        return "\n".join(lines)

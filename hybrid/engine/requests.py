@@ -1,0 +1,107 @@
+"""Requests as the engine serves them: what a caller asks for (`SamplingParams`), a request's state as the scheduler
+moves it along (`Request`), and what each engine step hands back (`RequestOutput`)."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hybrid.errors import HybridError
+
+
+class RequestError(HybridError, ValueError):
+    """A request the engine cannot take (empty prompt, token id out of range, longer than the KV cache holds, bad
+    sampling field). Other requests are unaffected."""
+
+
+class FinishReason(str, enum.Enum):
+    stop = "stop"  # end-of-sequence token, a stop token id or a stop string
+    length = "length"  # max_tokens generated
+    abort = "abort"  # aborted by the caller
+    error = "error"  # the engine failed while running it (the message says why)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per request. temperature 0 is greedy; top_k 0 and top_p 1 filter nothing. A seed makes sampling
+    reproducible whatever the request's batch mates (each request draws from its own generator); None = a fresh
+    random seed. Stop strings end the text before them; stop token ids end it after them (not shown)."""
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # generate max_tokens whatever comes (benchmarks)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise RequestError("stop strings must not be empty")
+        object.__setattr__(self, "stop", tuple(self.stop))  # lists accepted: kept hashable and immutable
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+class State(enum.Enum):
+    waiting = "waiting"  # queued for a KV slot
+    prefilling = "prefilling"  # holds a slot; its prompt goes in chunk by chunk
+    decoding = "decoding"  # one token per engine step
+    finished = "finished"
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.perf_counter)
+    state: State = State.waiting
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens already in the KV cache
+    output: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # perf_counter() at each generated token
+    finish_reason: Optional[FinishReason] = None
+    error: str = ""
+    text: str = ""  # the output decoded so far (cut before a stop string that ended it)
+    shown: int = 0  # characters of `text` already handed out
+    tokens_out: int = 0  # tokens of `output` already handed out
+
+    @property
+    def position(self) -> int:
+        """Where the next token goes in the KV cache (the last generated token's position + 1)."""
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def finished(self) -> bool:
+        return self.state is State.finished
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times[0] - self.arrival if self.token_times else 0.0
+
+    @property
+    def tpot_s(self) -> float:
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A request's progress in one engine step: the tokens and text it gained, and, when it ended, why."""
+    id: int
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool = False
+    finish_reason: Optional[FinishReason] = None
+    error: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0

@@ -1,0 +1,101 @@
+"""Continuous batching: which requests hold KV slots, which prefill work runs in a step, which requests decode.
+
+Each step: waiting requests are admitted into free KV slots in arrival order while fewer than `batch_cap` requests
+hold one; then prefill work is picked — prompts up to `long_cutoff` tokens go in chunks, at most `chunk_tokens`
+prompt tokens per step over the admitted requests in order (chunked prefill: the running requests keep decoding
+between chunks); a longer prompt, first in line, is prefilled whole by stream-loading in that step (it holds decode
+meanwhile); then every request that was decoding at the start of the step decodes one token. Pure bookkeeping: the
+engine runs the model.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hybrid.engine.requests import Request, State
+
+
+@dataclass(frozen=True)
+class Chunk:
+    request: Request
+    start: int
+    end: int
+    streamed: bool  # stream-loading prefill (the whole rest of the prompt)
+
+    @property
+    def last(self) -> bool:
+        return self.end == len(self.request.prompt)
+
+
+@dataclass
+class StepPlan:
+    prefill: list[Chunk] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(self, slots: int, batch_cap: int, chunk_tokens: int, long_cutoff: Optional[int] = None):
+        """long_cutoff: prompts longer than this are stream-loaded (None: every prompt goes in chunks)."""
+        if not 1 <= batch_cap <= slots:
+            raise ValueError(f"batch_cap ({batch_cap}) must be between 1 and the {slots} KV slots")
+        if chunk_tokens < 1:
+            raise ValueError(f"prefill chunk must be >= 1 token, got {chunk_tokens}")
+        self.batch_cap, self.chunk_tokens, self.long_cutoff = batch_cap, chunk_tokens, long_cutoff
+        self.free: list[int] = list(range(slots))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # holding a slot (prefilling or decoding), in admission order
+
+    @property
+    def slots_in_use(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        req.state = State.waiting
+        self.waiting.append(req)
+
+    def streamed(self, req: Request) -> bool:
+        return self.long_cutoff is not None and len(req.prompt) > self.long_cutoff
+
+    def admit(self) -> list[Request]:
+        admitted = []
+        while self.waiting and self.free and len(self.running) < self.batch_cap:
+            req = self.waiting.popleft()
+            req.slot, req.state = self.free.pop(0), State.prefilling
+            self.running.append(req)
+            admitted.append(req)
+        return admitted
+
+    def plan(self) -> StepPlan:
+        """Admit, then this step's prefill chunks and decode batch."""
+        self.admit()
+        plan = StepPlan(decode=[r for r in self.running if r.state is State.decoding])
+        budget = self.chunk_tokens
+        for req in self.running:
+            if req.state is not State.prefilling or budget <= 0:
+                continue
+            if self.streamed(req):
+                if not plan.prefill:  # alone in its step: the whole prompt through the streamed weights
+                    plan.prefill.append(Chunk(req, req.prefilled, len(req.prompt), streamed=True))
+                break
+            end = min(len(req.prompt), req.prefilled + budget)
+            plan.prefill.append(Chunk(req, req.prefilled, end, streamed=False))
+            budget -= end - req.prefilled
+        return plan
+
+    def finish(self, req: Request) -> None:
+        """Out of the queue or its slot (the slot is free for the next request)."""
+        if req in self.running:
+            self.running.remove(req)
+            self.free.append(req.slot)
+            self.free.sort()
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.state = State.finished
