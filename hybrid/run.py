@@ -6,7 +6,6 @@ import json
 import sys
 from dataclasses import replace
 
-import torch
 from omegaconf import DictConfig
 
 from hybrid import tracking
@@ -14,13 +13,12 @@ from hybrid.bench import plot_bench, run_bench
 from hybrid.bench.records import save, table
 from hybrid.config.compose import RUNS_DIR, settings_of
 from hybrid.config.schema import HwConfig, HybridConfig, Mode, OutputFormat
-from hybrid.engine.build import build
-from hybrid.engine.sampler import Sampling
+from hybrid.engine.build import build, configure_cpu, cpu_threads
+from hybrid.engine.requests import SamplingParams
 from hybrid.hw.check import resolve
 from hybrid.hw.detect import detect
 from hybrid.kernels import thread_pool
 from hybrid.kernels.dispatch import selected
-from hybrid.kernels.gemm import set_tile_min_tokens
 
 
 def run(cfg: DictConfig) -> dict:
@@ -29,10 +27,8 @@ def run(cfg: DictConfig) -> dict:
     hw, notes = resolve(s.hw, s.policy, machine)
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
-    threads = s.policy.cpu_threads or machine.physical_cores
-    torch.set_num_threads(threads)
-    thread_pool.set_threads(threads)
-    set_tile_min_tokens(s.policy.cpu_gemm_tile_tokens)
+    threads = cpu_threads(s.policy, hw)
+    configure_cpu(threads, s.policy.cpu_gemm_tile_tokens)  # benches without an engine run with them too
     if s.mode == Mode.bench:
         report = bench(replace(s, hw=hw), hw.name, machine)  # the resolved profile: the bench builds the engine
     else:
@@ -60,37 +56,28 @@ def bench(s: HybridConfig, hw_name: str, machine) -> dict:
 def generate(s: HybridConfig, hw: HwConfig) -> dict:
     text_out, hw_name = s.output == OutputFormat.text, hw.name
     engine = build(s, hw, progress=text_out and sys.stderr.isatty())
-    tok, gen = engine.tokenizer, engine.generator
+    tok = engine.tokenizer
     prompt_ids = tok.apply_chat_template([{"role": "user", "content": s.prompt}]) if s.chat else tok.encode(s.prompt)
-    stream = _TextStream(tok) if text_out else None
-    if stream:
+    if text_out:
         print(s.prompt, end="", flush=True)
-    res = gen.generate([prompt_ids], s.max_new_tokens, Sampling(s.temperature, s.top_p, s.top_k, s.seed),
-                       on_token=stream)
-    t = res.timings
+    params = SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                            seed=s.seed)
+    show = (lambda _i, out: print(out.text_delta, end="", flush=True)) if text_out else None
+    done = engine.generate([prompt_ids], params, on_output=show)[0]
+    if done.error:
+        raise RuntimeError(f"generation failed: {done.error}")
+    n = len(done.output_ids)
     report = {
-        "model": s.model.name, "hw": hw_name, "prompt_ids": prompt_ids, "output_ids": res.output_ids[0],
-        "text": tok.decode(res.output_ids[0]), "prompt_tokens": t.prompt_tokens, "new_tokens": t.new_tokens,
-        "ttft_s": t.ttft_s, "tpot_s": t.tpot_s, "prefill_tok_s": t.prefill_tok_s, "decode_tok_s": t.decode_tok_s,
+        "model": s.model.name, "hw": hw_name, "prompt_ids": prompt_ids, "output_ids": done.output_ids,
+        "text": done.text, "finish_reason": done.finish_reason.value, "prompt_tokens": len(prompt_ids),
+        "new_tokens": n, "ttft_s": done.ttft_s, "tpot_s": done.tpot_s,
+        "prefill_tok_s": len(prompt_ids) / done.ttft_s if done.ttft_s else 0.0,
+        "decode_tok_s": 1 / done.tpot_s if done.tpot_s else 0.0,
     }
     if text_out:
-        print(f"\n\n[{s.model.name} on {hw_name}] prompt {t.prompt_tokens} tokens, generated {t.new_tokens} | "
-              f"TTFT {t.ttft_s * 1e3:.1f} ms | TPOT {t.tpot_s * 1e3:.1f} ms | "
-              f"prefill {t.prefill_tok_s:.1f} tok/s | decode {t.decode_tok_s:.1f} tok/s")
+        print(f"\n\n[{s.model.name} on {hw_name}] prompt {len(prompt_ids)} tokens, generated {n} | "
+              f"TTFT {done.ttft_s * 1e3:.1f} ms | TPOT {done.tpot_s * 1e3:.1f} ms | "
+              f"prefill {report['prefill_tok_s']:.1f} tok/s | decode {report['decode_tok_s']:.1f} tok/s")
     else:
         print(json.dumps(report))
     return report
-
-
-class _TextStream:
-    """Prints the decoded text as tokens arrive, holding back incomplete UTF-8 sequences."""
-
-    def __init__(self, tok):
-        self.tok, self.ids, self.shown = tok, [], 0
-
-    def __call__(self, _seq: int, token: int) -> None:
-        self.ids.append(token)
-        text = self.tok.decode(self.ids)
-        if not text.endswith("\ufffd"):
-            print(text[self.shown:], end="", flush=True)
-            self.shown = len(text)

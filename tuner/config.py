@@ -58,10 +58,13 @@ class TunerConfig:
     grace_s: int = 30
     max_retry: int = 2
     write_policy: bool = True
+    trial_module: str = "hybrid"  # each trial runs `python -m <it> mode=bench bench=slo ...`
 
     def __post_init__(self) -> None:
         if self.n_trials < 1:
             raise ValueError(f"tuner.n_trials must be >= 1, got {self.n_trials}")
+        if not all(part.isidentifier() for part in self.trial_module.split(".")):
+            raise ValueError(f"tuner.trial_module must be a module name, got {self.trial_module!r}")
         if self.trial_timeout_s <= 0:
             raise ValueError(f"tuner.trial_timeout_s must be > 0, got {self.trial_timeout_s}")
         if self.heartbeat_s < 1 or self.grace_s <= self.heartbeat_s:

@@ -25,13 +25,13 @@ import yaml
 from omegaconf import DictConfig
 
 from hybrid import tracking
-from hybrid.bench.slo import TRIAL_ENV
 from hybrid.config.compose import CONF_DIR, RUNS_DIR, settings_of
 from hybrid.errors import ConfigError
 from tuner import plots, policy as policy_file, space as sp, trial as trial_run
 from tuner.config import TuneConfig
 from tuner.select import knee
 from tuner.track import StudyTracker
+from tuner.trial import TRIAL_ENV
 
 COUNTED_FAILURES = ("crash", "deadline")
 # Overrides the tuner sets itself for every trial (the user's own are dropped from what trials get).
@@ -187,7 +187,7 @@ class Tuner:
         else:
             env.pop(tracking.RUN_ID_ENV, None)
         log = self.log_dir / f"trial-{trial.number:04d}.log"
-        cmd = trial_run.command(self.overrides, shown)
+        cmd = trial_run.command(self.overrides, shown, t.trial_module)
         done = counted(trial.study.get_trials(deepcopy=False))
         retry = _retry_of(trial)
         print(f"trial {trial.number} [{done + 1}/{t.n_trials}] "

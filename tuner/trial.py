@@ -1,5 +1,6 @@
-"""One trial: `python -m hybrid mode=bench bench=slo output=json <overrides> policy.x=...` as a subprocess in its
-own process group, with a deadline. Its stdout is read as it arrives (JSON lines: the bench's records); stderr goes
+"""One trial: `python -m hybrid mode=bench bench=slo output=json <overrides> policy.x=...` (the module from
+`tuner.trial_module`) as a subprocess in its own process group, with a deadline; its environment carries the
+trial's number (HYBRID_TUNER_TRIAL). Its stdout is read as it arrives (JSON lines: the bench's records); stderr goes
 to the trial's log. On the deadline the whole group is killed. The outcome: ok (metrics), crash, oom or deadline."""
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hybrid.process import stop_group
+
+TRIAL_ENV = "HYBRID_TUNER_TRIAL"  # the trial's number, in the trial command's environment
 
 # Signs of running out of memory in a trial's stderr (host or GPU), besides a SIGKILL we did not send.
 OOM_MARKERS = ("MemoryError", "out of memory", "OutOfMemoryError", "can't allocate memory",
@@ -44,8 +47,8 @@ class Outcome:
     detail: str = ""  # the last lines of stderr, or why it was killed
 
 
-def command(overrides: list[str], policy: dict[str, str]) -> list[str]:
-    return [sys.executable, "-m", "hybrid", "mode=bench", "bench=slo", "output=json", *overrides,
+def command(overrides: list[str], policy: dict[str, str], module: str = "hybrid") -> list[str]:
+    return [sys.executable, "-m", module, "mode=bench", "bench=slo", "output=json", *overrides,
             *(f"policy.{k}={v}" for k, v in policy.items())]
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybrid.bench import bounds
 from hybrid.bench.gpu_profile import gpu_times
 from hybrid.bench.records import Record
 from hybrid.engine.build import build, graphs_apply
@@ -33,11 +34,6 @@ FULL_DENSE_LAYERS = DEEPSEEK_V3["first_k_dense_replace"]  # the full model proje
 FULL_MOE_LAYERS = DEEPSEEK_V3["num_hidden_layers"] - FULL_DENSE_LAYERS
 DEVICE_PARTS = ("attention", "router", "shared_experts", "dense_mlp")
 HOST_PARTS = ("stage", "cpu_moe", "wait", "to_device")
-
-
-def _eager(engine):
-    return lambda tokens, pos, slots, kv_len: engine.model(tokens, pos, engine.generator.cache, slots,
-                                                           kv_len=kv_len)[:, -1]
 
 
 def _timed(engine, cfg, ctx: int, step, on_warm=None, steps: int = 0) -> list[float]:
@@ -60,7 +56,7 @@ def _timed(engine, cfg, ctx: int, step, on_warm=None, steps: int = 0) -> list[fl
 def _context(engine, cfg, ctx: int) -> tuple[list[float], dict]:
     profile = StepProfile(engine.model, engine.device)
     try:
-        times = _timed(engine, cfg, ctx, _eager(engine), profile.reset)
+        times = _timed(engine, cfg, ctx, engine.decoder("off"), profile.reset)
         return times, profile.summary()
     finally:
         profile.close()  # hooks off: graphs are captured without them
@@ -88,22 +84,18 @@ def run(settings) -> list[Record]:
         raise ConfigError(f"bench.batch={cfg.batch} exceeds policy.max_batch={s.policy.max_batch}")
     engine = build(s, s.hw, progress=sys.stderr.isatty())
     a = engine.model.args
-    n_moe, expert_bytes = a.n_moe_layers, a.expert_bytes
+    n_moe, expert_bytes = a.n_moe_layers, bounds.expert_bytes(a)
     streams, _ = calibrate(cfg.roof_gb)
     roof = read_roof(cfg.roof_gb, 5, streams)
     print(f"decode on {engine.device}: {n_moe} MoE layers, roof {roof:.1f} GB/s", file=sys.stderr)
     modes = ["eager"] + (list(cfg.graph_modes) if graphs_apply(s, engine.device) else [])
-    graphs = {}
-    if len(modes) > 1:
-        from hybrid.engine.cuda_graphs import GraphedDecode
-        graphs = {m: GraphedDecode(engine.model, engine.generator.cache, engine.staging, m, cfg.batch)
-                  for m in modes[1:]}
+    graphs = {m: engine.decoder(m) for m in modes[1:]}
     records = [Record("read_roof", roof, "GB/s", extra={"streams": streams})]
     for ctx in cfg.contexts:
-        syncs0 = engine.staging.syncs
+        syncs0 = engine.parts["staging"].syncs
         times, parts = _context(engine, cfg, ctx)
         records += _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, a.first_k_dense_replace,
-                            (engine.staging.syncs - syncs0) / (cfg.steps + 2), s)
+                            (engine.parts["staging"].syncs - syncs0) / (cfg.steps + 2), s)
         eager_tpot, experts = statistics.median(times), parts["experts_read"] / len(times)
         for mode, g in graphs.items():
             times, parts = _graphed(engine, cfg, ctx, g)
@@ -119,7 +111,7 @@ def run(settings) -> list[Record]:
 def _step_records(cfg, ctx, mode, times, bytes_step, roof, **tpot_extra) -> tuple[dict, Record, Record]:
     """The fields every record of a mode shares, and its TPOT and TPOT-vs-bound records."""
     b, tpot = cfg.batch, statistics.median(times)
-    bound = bytes_step / (roof * 1e9)
+    bound = bounds.read_seconds(bytes_step, roof)
     common = {"context": ctx, "batch": b, "mode": mode}
     return (common,
             Record("tpot", tpot, "s", None, b, extra={**common, "tokens_per_s": b / tpot, **tpot_extra,
@@ -156,10 +148,10 @@ def _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, n_dense, syncs, 
     tpot = statistics.median(times)
     per_step = {k: v / steps for k, v in parts.items()}
     bytes_step = per_step["experts_read"] * expert_bytes
-    bound = bytes_step / (roof * 1e9)
     device_busy = sum(per_step.get(k, 0.0) for k in DEVICE_PARTS)
     common, tpot_record, bound_record = _step_records(cfg, ctx, "eager", times, bytes_step, roof,
                                                       syncs_per_step=syncs)
+    bound = bound_record.extra["bound_s"]
     out = [
         tpot_record,
         Record("expert_bytes_per_token", bytes_step / b, "B", extra={**common, "experts_per_step":
@@ -175,9 +167,9 @@ def _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, n_dense, syncs, 
     out.append(Record("projected_tpot_61_layers", project(tpot, per_step, n_moe, n_dense), "s", extra={
         **common, "projection": f"this machine, from the step's split: {FULL_MOE_LAYERS} x the MoE-layer time + "
                                 f"{FULL_DENSE_LAYERS} x the dense-layer time"}))
-    if s.hw.cpu.mem_bw_gbps:
+    if s.hw.cpu.mem_bw_gbps and bound > 0:
         frac = min(1.0, bound / tpot)
-        t_hw = bytes_step * scale / (s.hw.cpu.mem_bw_gbps * 1e9 * frac)
+        t_hw = bounds.read_seconds(bytes_step * scale, s.hw.cpu.mem_bw_gbps * frac)
         out.append(Record("projected_tpot_61_layers_on_profile", t_hw, "s", extra={
             **common, "projection": f"{s.hw.name}: expert bytes / ({s.hw.cpu.mem_bw_gbps} GB/s x {frac:.2f}, the "
                                     "fraction of the roof reached here)"}))

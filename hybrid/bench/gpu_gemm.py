@@ -14,11 +14,12 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from hybrid.bench import bounds
 from hybrid.bench.records import Record
 from hybrid.bench.timing import cuda_seconds
 from hybrid.errors import ConfigError
 from hybrid.kernels import fp8_linear
-from hybrid.prefill.slp import grouped_gemm_applies
+from hybrid.prefill.slp import grouped_gemm_missing
 from hybrid.weights import fp8
 
 EXPERTS = 8  # distinct weights cycled (one expert's FP8 gate+up is 29 MB; the H200's L2 is 50 MB)
@@ -32,7 +33,8 @@ def run(settings) -> list[Record]:
     cfg = settings.bench
     if not torch.cuda.is_available() or fp8_linear.triton is None:
         raise ConfigError("bench=gpu_gemm times GPU kernels: it needs CUDA and Triton")
-    tiles = [fp8_linear.Tile.parse(t) for t in cfg.fp8_tiles] or [fp8_linear.TILES[None]]
+    default = fp8_linear.DEFAULT_GEMM
+    tiles = [fp8_linear.Tile.parse(t) for t in cfg.fp8_tiles] or [default.large_tile]
     dev, block = torch.device("cuda"), (128, 128)
     records = []
     for name, (n, k) in (("gate_up", (2 * cfg.inter, cfg.hidden)), ("down", (cfg.hidden, cfg.inter))):
@@ -43,17 +45,17 @@ def run(settings) -> list[Record]:
         dense = stack.unbind(0)
         for m in cfg.gemm_rows:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            flop = 2 * m * n * k
+            flop = bounds.gemm_flops(m, n, k)
             bound = flop / _seconds(lambda i: F.linear(x, dense[i % EXPERTS]), cfg.repeats * 6) / 1e12
             ways = {"dequant_triton": lambda i: F.linear(x, fp8_linear.dequantize(*weights[i % EXPERTS], block)),
                     "dequant_torch": lambda i: F.linear(x, fp8.dequantize(*weights[i % EXPERTS], block))}
             first = len(records)
             # the swept tile serves prefill-sized rows only
-            for tile in tiles if fp8_linear.uses_large_tile(m) else tiles[:1]:
-                with fp8_linear.overridden("triton", tile):
-                    records.append(_record(f"triton_gemm {fp8_linear.tile_for(m)}",
-                                           lambda i: fp8_linear.fp8_linear(x, *weights[i % EXPERTS], block),
-                                           cfg, flop, bound, m, n, k, name))
+            for tile in tiles if default.uses_large_tile(m) else tiles[:1]:
+                gemm = default.with_("triton", tile)
+                records.append(_record(f"triton_gemm {gemm.tile_for(m)}",
+                                       lambda i: gemm.linear(x, *weights[i % EXPERTS], block),
+                                       cfg, flop, bound, m, n, k, name))
             for way, fn in ways.items():
                 records.append(_record(way, fn, cfg, flop, bound, m, n, k, name))
             records += _grouped(stack, m, n, k, cfg, flop, bound, name)
@@ -69,7 +71,7 @@ def _grouped(stack, m, n, k, cfg, flop, bound, matrix) -> list[Record]:
     g = len(stack)
     x = torch.randn(g * m, k, device=stack.device, dtype=torch.bfloat16)
     ends = torch.arange(1, g + 1, device=stack.device, dtype=torch.int32) * m
-    if not grouped_gemm_applies(x):  # torch's loop elsewhere is not what stream-loading prefill would run
+    if grouped_gemm_missing(x.device, x.dtype):  # torch's loop elsewhere is not what stream-loading prefill runs
         return []
     try:
         t = _seconds(lambda i: torch._grouped_mm(x, stack.transpose(1, 2), offs=ends), cfg.repeats * 6) / g

@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from hybrid.bench import bounds
 from hybrid.bench.records import Record
 from hybrid.bench.timing import best_per_call, calls_for
 from hybrid.hw.detect import meminfo_bytes
@@ -24,7 +25,7 @@ from hybrid.kernels.gemm import gemm
 from hybrid.kernels.membw import calibrate, read_roof
 from hybrid.kernels.moe import CpuMoE
 from hybrid.weights.fp8 import dequantize, scale_shape
-from hybrid.weights.synthetic import _fp8_codes
+from hybrid.weights.synthetic import fp8_codes
 
 GB = 1e9
 
@@ -69,7 +70,7 @@ def _gemv_records(cfg, roof: Roof, kernel: str, pool_gb: float, rng) -> list[Rec
     for label, n, k in (("gate_up", cfg.inter, cfg.hidden), ("down", cfg.hidden, cfg.inter)):
         count = max(4, math.ceil(pool_gb * GB / (n * k)))
         _log(f"  fp8 {label} {n}x{k}: pool of {count} matrices ({count * n * k / GB:.1f} GB)")
-        pool = [(_fp8_codes(rng, (n, k)), _scales(rng, n, k)) for _ in range(count)]
+        pool = [(fp8_codes(rng, (n, k)), _scales(rng, n, k)) for _ in range(count)]
         for m in cfg.ms:
             x = torch.randn(m, k).to(torch.bfloat16)
             y = torch.empty(m, n)
@@ -103,7 +104,7 @@ def _timed(name: str, calls: list, repeats: int, m: int, n: int, k: int, itemsiz
     one = best_per_call(calls[:1], 1)
     t = best_per_call(calls[:calls_for(0.5, one, len(calls))], repeats)
     return Record(name, n * k * itemsize / t / GB, "GB/s", None, m, n, k, dtype,
-                  {"time_us": t * 1e6, "tflops": 2 * m * n * k / t / 1e12, **(extra or {})})
+                  {"time_us": t * 1e6, "tflops": bounds.gemm_flops(m, n, k) / t / 1e12, **(extra or {})})
 
 
 def _torch_records(cfg, roof: Roof, label: str, n: int, k: int, pool_gb: float, ours: list[Record]) -> list[Record]:
@@ -131,9 +132,9 @@ def _moe_records(cfg, roof: Roof, kernel: str, rng) -> list[Record]:
     note = "" if experts == (cfg.moe_experts or cfg.experts) else f" (memory allows {experts} of {cfg.experts})"
     _log(f"  MoE layer: {experts} experts of {expert_bytes / 1e6:.0f} MB{note}, top-{cfg.top_k}")
     d, i = cfg.hidden, cfg.inter
-    gate = [_fp8_codes(rng, (i, d)) for _ in range(experts)]
-    up = [_fp8_codes(rng, (i, d)) for _ in range(experts)]
-    down = [_fp8_codes(rng, (d, i)) for _ in range(experts)]
+    gate = [fp8_codes(rng, (i, d)) for _ in range(experts)]
+    up = [fp8_codes(rng, (i, d)) for _ in range(experts)]
+    down = [fp8_codes(rng, (d, i)) for _ in range(experts)]
     op = CpuMoE(gate, up, down, [_scales(rng, i, d) for _ in gate], [_scales(rng, i, d) for _ in up],
                 [_scales(rng, d, i) for _ in down], kernel=kernel)
     out = []

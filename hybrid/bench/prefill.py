@@ -14,16 +14,15 @@ import time
 import torch
 import torch.nn.functional as F
 
+from hybrid.bench import bounds, timeline
 from hybrid.bench.decode import FULL_MOE_LAYERS
-from hybrid.bench import timeline
 from hybrid.bench.gpu_profile import gpu_times
 from hybrid.bench.records import Record
 from hybrid.bench.timing import cuda_seconds
 from hybrid.config.compose import RUNS_DIR
-from hybrid.engine.build import build, expert_gemm_shapes, slp_context
+from hybrid.engine.build import build, expert_gemm_shapes
 from hybrid.errors import ConfigError
 from hybrid.kernels import fp8_linear
-from hybrid.prefill.slp import streaming
 
 
 def h2d_rate(gigabytes: float = 1.0) -> float:
@@ -42,68 +41,36 @@ def h2d_rate(gigabytes: float = 1.0) -> float:
 def matmul_rate(m: int = 8192, n: int = 2048, k: int = 7168) -> float:
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    return 2 * m * n * k / cuda_seconds(lambda i: a @ b.t(), 20) / 1e12
+    return bounds.gemm_flops(m, n, k) / cuda_seconds(lambda i: a @ b.t(), 20) / 1e12
 
 
-def _ttft(engine, n: int, ring_len=None, context=None, loop: dict | None = None) -> float:
-    """Seconds to the first token of an n-token prompt; `loop` receives the expert loops' wall and CPU seconds
-    (model thread) when the prompt streamed."""
-    m, dev = engine.model, engine.device
-    tokens = torch.randint(2, m.args.vocab_size, (1, n), device=dev)
-    pos = torch.arange(n, device=dev)[None]
-    slot = torch.tensor([0], device=dev)
-    if context is not None:
-        ctx = context(n)
-    elif ring_len is None:
-        ctx = engine.generator.long_prefill(n)
-    elif ring_len == 0:  # the CPU path
-        ctx = torch.no_grad()
-    else:
-        ctx = streaming(m, dev, ring_len, 1e15)
+def _ttft(engine, n: int, streamed: bool = True, loop: dict | None = None, **stream) -> float:
+    """Seconds to the first token of an n-token prompt (stream-loaded, or on the CPU path); `stream` (ring_len,
+    group, gemm) replaces the plan's; `loop` receives the expert loops' wall and CPU seconds (model thread) when the
+    prompt streamed."""
+    prompt = torch.randint(2, engine.model.args.vocab_size, (n,)).tolist()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with ctx as pipe:
-        m(tokens, pos, engine.generator.cache, slot, last_only=True, kv_len=n).argmax().item()
+    logits, pipes = engine.prefill(prompt, streamed=streamed, **stream)
+    logits.argmax().item()
     t = time.perf_counter() - t0
-    if loop is not None and pipe is not None:
-        loop.update(expert_loop_s=pipe.expert_loop_s, expert_loop_cpu_s=pipe.expert_loop_cpu_s)
+    if loop is not None and pipes:
+        loop.update(expert_loop_s=sum(p.expert_loop_s for p in pipes),
+                    expert_loop_cpu_s=sum(p.expert_loop_cpu_s for p in pipes))
     return t
 
 
 def _tile_sweep(engine, n: int, specs) -> list[Record]:
-    """TTFT with each Triton tile for prefill-sized row counts (`bench.fp8_tiles`); the default is restored."""
+    """TTFT with each Triton tile for prefill-sized row counts (`bench.fp8_tiles`)."""
     if not specs or fp8_linear.triton is None:
         return []
-    default, shapes, out = fp8_linear.TILES[None], expert_gemm_shapes(engine.model.args), []
+    default, shapes, out = engine.parts["gemm"], expert_gemm_shapes(engine.model.args), []
     for spec in specs:
-        with fp8_linear.overridden("triton", fp8_linear.Tile.parse(spec)):  # every row count through the FP8 GEMM
-            fp8_linear.warm_up(shapes, engine.device)  # compile outside the timing
-            out.append(Record("slp_fp8_tile", _ttft(engine, n), "s", None, n,
-                              extra={"tile": str(fp8_linear.TILES[None]), "default": str(default)}))
+        gemm = default.with_("triton", fp8_linear.Tile.parse(spec))  # every row count through the FP8 GEMM
+        fp8_linear.warm_up(shapes, engine.device, gemm)  # compile outside the timing
+        out.append(Record("slp_fp8_tile", _ttft(engine, n, gemm=gemm), "s", None, n,
+                          extra={"tile": str(gemm.large_tile), "default": str(default.large_tile)}))
     return out
-
-
-def attention_flops(a, n: int, layers: int | None = None) -> float:
-    """FLOPs of causal attention itself (scores and values over the causal triangle) for n tokens, all layers."""
-    per_layer = 2 * n * (n + 1) / 2 * a.num_attention_heads * (a.qk_head_dim + a.v_head_dim)
-    return per_layer * (a.num_hidden_layers if layers is None else layers)
-
-
-def prefill_flops(a, n: int) -> float:
-    """Matmul FLOPs of prefilling n tokens through the model: attention projections (keys and values expanded, as
-    prefill does), causal attention, dense MLPs, shared and routed experts (top-k per token), the last token's
-    logits."""
-    h, d = a.num_attention_heads, a.hidden_size
-    q = (d * a.q_lora_rank + a.q_lora_rank * h * a.qk_head_dim) if a.q_lora_rank else d * h * a.qk_head_dim
-    proj = q + d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim) \
-        + h * a.v_head_dim * d
-    expert = 3 * d * a.moe_intermediate_size
-    total = attention_flops(a, n)
-    for layer in range(a.num_hidden_layers):
-        moe = a.is_moe_layer(layer)
-        mlp = (a.num_experts_per_tok + a.n_shared_experts) * expert if moe else 3 * d * a.intermediate_size
-        total += 2 * n * (proj + mlp)
-    return total + 2 * d * a.vocab_size
 
 
 def attention_rate(a, n: int) -> float:
@@ -113,10 +80,11 @@ def attention_rate(a, n: int) -> float:
     q, k = (torch.randn(1, n, h, a.qk_head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
     kv = torch.randn(1, n, h, a.qk_nope_head_dim + a.v_head_dim, device="cuda", dtype=torch.bfloat16)
     v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)[1].transpose(1, 2)
-    reps = max(1, min(20, int(2e14 // attention_flops(a, n, 1))))
+    flops = bounds.attention_flops(a, n, 1)
+    reps = max(1, min(20, int(2e14 // flops)))
     seconds = cuda_seconds(lambda i: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=a.softmax_scale),
                            reps)
-    return attention_flops(a, n, 1) / seconds / 1e12
+    return flops / seconds / 1e12
 
 
 def run(settings) -> list[Record]:
@@ -124,24 +92,24 @@ def run(settings) -> list[Record]:
     for spec in cfg.fp8_tiles:  # before minutes of set-up
         fp8_linear.Tile.parse(spec)
     engine = build(s, s.hw, progress=sys.stderr.isatty())
-    if engine.device.type != "cuda" or engine.generator.long_prefill is None:
+    if engine.device.type != "cuda" or engine.parts["loader"] is None:
         raise ConfigError("bench=prefill streams experts through a GPU: it needs a GPU profile (+hw=...) with CUDA "
                           "and policy.moe_backend=native")
     if max(cfg.prompt_lengths) > s.policy.max_context:
         raise ConfigError(f"bench.prompt_lengths reach {max(cfg.prompt_lengths)}: raise policy.max_context")
     a = engine.model.args
-    n_moe, expert_bytes = a.n_moe_layers, a.expert_bytes
+    n_moe = a.n_moe_layers
     h2d, mm = h2d_rate(), matmul_rate()
     print(f"pinned H2D {h2d:.1f} GB/s, BF16 matmul {mm:.0f} TFLOP/s", file=sys.stderr)
     records = [Record("h2d_pinned", h2d, "GB/s"), Record("gpu_bf16_matmul", mm, "TFLOP/s")]
     _ttft(engine, min(cfg.prompt_lengths))  # warm-up
-    transfer = n_moe * a.n_routed_experts * expert_bytes / (h2d * 1e9)  # every expert once per prompt
+    transfer = bounds.transfer_seconds(a, h2d)  # every expert once per prompt
     for n in cfg.prompt_lengths:
-        flops, attn = prefill_flops(a, n), attention_flops(a, n)
-        bound = max(transfer, flops / (mm * 1e12))
+        flops, attn = bounds.prefill_flops(a, n), bounds.attention_flops(a, n)
+        bound = bounds.prefill_bound_seconds(transfer, flops, mm)
         # beside it (not instead): attention's FLOPs at the attention kernel's own measured rate
         attn_rate = attention_rate(a, n)
-        bound_attn = max(transfer, (flops - attn) / (mm * 1e12) + attn / (attn_rate * 1e12))
+        bound_attn = bounds.prefill_bound_seconds(transfer, flops, mm, attn, attn_rate)
         first = _ttft(engine, n)  # a first prompt of a new length also pays the allocator's growth
         loop: dict = {}
         t = _ttft(engine, n, loop=loop)
@@ -153,22 +121,21 @@ def run(settings) -> list[Record]:
                                                                  "fraction_of_bound": bound / t,
                                                                  "projected_61_layers_s": t * FULL_MOE_LAYERS / n_moe}))
         if n <= cfg.cpu_max_tokens:
-            tc = _ttft(engine, n, ring_len=0)
+            tc = _ttft(engine, n, streamed=False)
             records.append(Record("cpu_path_ttft", tc, "s", None, n, extra={"tokens_per_s": n / tc}))
     longest = max(cfg.prompt_lengths)
     for ring in cfg.ring_sweep:
-        t = _ttft(engine, longest, ring)
+        t = _ttft(engine, longest, ring_len=ring)
         records.append(Record("slp_ring_sweep", t, "s", None, longest, extra={"ring_len": ring}))
     for group in cfg.group_sweep:  # experts computed together once on the device (policy.slp_group_experts)
         loop = {}
-        t = _ttft(engine, longest, context=slp_context(s, engine.model, engine.device, group), loop=loop)
+        t = _ttft(engine, longest, group=group, loop=loop)
         records.append(Record("slp_group_sweep", t, "s", None, longest, extra={"slp_group_experts": group, **loop}))
-    for gemm in fp8_linear.BACKENDS:  # the FP8 math on the streamed experts: FP8 GEMM, dequantise, by rows
-        with fp8_linear.overridden(gemm):
-            t = _ttft(engine, longest)
+    for how in fp8_linear.BACKENDS:  # the FP8 math on the streamed experts: FP8 GEMM, dequantise, by rows
+        t = _ttft(engine, longest, gemm=engine.parts["gemm"].with_(backend=how))
         records.append(Record("slp_fp8_gemm", t, "s", None, longest, extra={
-            "backend": gemm, "applies": a.fp8_block is not None and (gemm == "dequant" or fp8_linear.triton
-                                                                      is not None)}))
+            "backend": how, "applies": a.fp8_block is not None and (how == "dequant" or fp8_linear.triton
+                                                                     is not None)}))
     records += _tile_sweep(engine, longest, cfg.fp8_tiles)
     trace = None
     if cfg.trace:

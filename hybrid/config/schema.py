@@ -92,7 +92,8 @@ class PolicyConfig:
     ring_len: str = "auto"  # expert slots of the stream-loading ring buffer: a number >= 1, or auto
     slp_chunk_tokens: int = 0  # stream-loading prefill in chunks of this many tokens; 0 = auto (as memory allows)
     slp_group_experts: str = "auto"  # SLP: up to this many experts computed together; auto: 16 where it applies
-    batch_cap: int = 6  # most decoding requests batched together
+    batch_cap: int = 6  # most requests running at once (holding a KV slot: prefilling or decoding)
+    prefill_chunk_tokens: int = 512  # prompts on the chunked path go in this many tokens per engine step
     max_batch: int = 8  # KV-cache slots (sequences held at once)
     max_context: int = 4096  # tokens per sequence the KV cache holds
     gpu_experts_per_layer: int = 0  # hot routed experts kept resident on the GPU, per layer
@@ -124,7 +125,8 @@ class PolicyConfig:
                      "deferred_experts"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"policy.{knob} must be >= 0, got {getattr(self, knob)}")
-        for knob in ("batch_cap", "max_batch", "max_context", "cpu_gemm_tile_tokens", "gpu_fp8_dequant_rows"):
+        for knob in ("batch_cap", "max_batch", "max_context", "cpu_gemm_tile_tokens", "gpu_fp8_dequant_rows",
+                     "prefill_chunk_tokens"):
             if getattr(self, knob) < 1:
                 raise ValueError(f"policy.{knob} must be >= 1, got {getattr(self, knob)}")
         if self.batch_cap > self.max_batch:

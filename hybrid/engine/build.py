@@ -1,39 +1,30 @@
 """Build the engine from the configs: load the checkpoint, place it (routed experts on the CPU kernels, the rest on
-the compute device), check the KV cache fits, and make the generator. The one place that decides devices."""
+the compute device), plan the device's memory, resolve every `auto` of the policy into the plan, and make the
+`Engine`. The one place that decides devices."""
 from __future__ import annotations
 
+import functools
 import sys
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 from hybrid import models
-from hybrid.config.schema import HwConfig, HybridConfig
-from hybrid.engine.generate import Generator
+from hybrid.config.schema import HwConfig, HybridConfig, PolicyConfig
+from hybrid.engine.engine import Engine
 from hybrid.engine.hot_experts import HotExperts
-from hybrid.engine.placement import cpu_experts, expert_tensors, experts_to_cpu_kernels, pin_experts, place
+from hybrid.engine.long_prefill import LongPrefill
+from hybrid.engine.memory import Ledger, auto_chunk, check_kv_cache, free_bytes, group_bytes
+from hybrid.engine.placement import (cpu_experts, experts_to_cpu_kernels, hot_experts_to_device, pin_experts,
+                                     place)
+from hybrid.engine.plan import Plan
 from hybrid.engine.staging import Staging
 from hybrid.errors import ConfigError
-from hybrid.hw.detect import meminfo_bytes
-from hybrid.kernels import combine, fp8_linear, pointwise
-from hybrid.model.kv_cache import KVCache
+from hybrid.kernels import combine, fp8_linear, pointwise, thread_pool
+from hybrid.kernels.dispatch import selected
+from hybrid.kernels.gemm import set_tile_min_tokens
 from hybrid.model.transformer import Transformer
-from hybrid.prefill.ring import auto_ring_len, layout
-from hybrid.prefill.slp import group_size, kept_ring_bytes, streaming
-from hybrid.tokenizer import Tokenizer
-
-GPU_RESERVE = 2e9  # bytes left free on the GPU for activations and the allocator's slack
-CPU_RESERVE = 2e9
-
-
-@dataclass
-class Engine:
-    model: Transformer
-    tokenizer: Tokenizer
-    generator: Generator
-    device: torch.device
-    staging: Staging
+from hybrid.prefill.ring import expert_tensors, layout
+from hybrid.prefill.slp import StreamLoader, group_size
 
 
 def compute_device(hw: HwConfig) -> torch.device:
@@ -41,74 +32,97 @@ def compute_device(hw: HwConfig) -> torch.device:
     return torch.device("cuda", 0) if hw.gpus and torch.cuda.is_available() else torch.device("cpu")
 
 
-def kv_budget_bytes(s: HybridConfig, device: torch.device) -> float:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # torch's cache is ours
-        if s.policy.gpu_memory_budget_gb:
-            return min(free, s.policy.gpu_memory_budget_gb * 1e9 - torch.cuda.memory_allocated(device))
-        return free - GPU_RESERVE
-    return meminfo_bytes("MemAvailable") - CPU_RESERVE
+def cpu_threads(p: PolicyConfig, hw: HwConfig) -> int:
+    """policy.cpu_threads, else the profile's physical cores, else this machine's."""
+    if p.cpu_threads:
+        return p.cpu_threads
+    if hw.cpu.cores:
+        return hw.cpu.cores
+    from hybrid.hw.detect import detect
+
+    return detect().physical_cores
 
 
-def check_kv_cache(s: HybridConfig, model: Transformer, device: torch.device) -> int:
-    a, p = model.args, s.policy
-    per_token = KVCache.bytes_per_token(a.num_hidden_layers, a.kv_lora_rank, a.qk_rope_head_dim, model.dtype)
-    need = per_token * p.max_batch * p.max_context
-    budget = kv_budget_bytes(s, device)
-    if need > budget:
-        where = "GPU" if device.type == "cuda" else "host"
-        raise ConfigError(
-            f"the KV cache for policy.max_batch={p.max_batch} x policy.max_context={p.max_context} needs "
-            f"{need / 1e9:.2f} GB ({per_token} bytes per token) but the {where} budget left after the weights is "
-            f"{max(budget, 0) / 1e9:.2f} GB: lower policy.max_context or policy.max_batch"
-            + (", or raise policy.gpu_memory_budget_gb" if device.type == "cuda" else ""))
-    return need
+def configure_cpu(threads: int, tile_tokens: int) -> None:
+    """The native kernels' process-wide settings (one thread pool per process) and torch's intra-op threads, from
+    the plan, once per engine."""
+    torch.set_num_threads(threads)
+    thread_pool.set_threads(threads)
+    set_tile_min_tokens(tile_tokens)
 
 
 def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
+    p = s.policy
     device = compute_device(hw)
-    fp8_linear.set_backend(s.policy.gpu_fp8_gemm, s.policy.gpu_fp8_dequant_rows)
+    threads = cpu_threads(p, hw)
+    configure_cpu(threads, p.cpu_gemm_tile_tokens)
+    gemm = fp8_linear.Fp8Gemm(p.gpu_fp8_gemm, p.gpu_fp8_dequant_rows)
     if device.type == "cuda" and fp8_linear.triton is None:
         print("note: Triton is not installed: FP8 weights on the GPU are dequantised with torch ops before use "
-              f"(policy.gpu_fp8_gemm={s.policy.gpu_fp8_gemm} needs it)", file=sys.stderr)
+              f"(policy.gpu_fp8_gemm={p.gpu_fp8_gemm} needs it)", file=sys.stderr)
     model, tok = models.load(s.model, progress)
     a = model.args
     staging = Staging(a.hidden_size, a.num_experts_per_tok, pin=device.type == "cuda")
-    if s.policy.moe_backend == "native":
-        experts_to_cpu_kernels(model, s.policy.cpu_kernel, staging, s.policy.deferred_experts)
+    native = p.moe_backend == "native"
+    if native:
+        experts_to_cpu_kernels(model, p.cpu_kernel, staging, p.deferred_experts)
         if device.type == "cuda":
             pinned = pin_experts(model)
             print(f"routed experts: {pinned / 1e9:.2f} GB in pinned host memory", file=sys.stderr)
-    elif s.policy.deferred_experts:
+    elif p.deferred_experts:
         raise ConfigError("policy.deferred_experts needs policy.moe_backend=native")
-    hot = hot_experts(s, model, device)
-    weight_bytes = place(model, device, s.policy.gpu_weights) + sum(h.nbytes for h in hot)
+    hot = hot_experts(s, model, device, gemm)
+    # Triton compiles now, not in a first long prompt; where it fails, the torch forms run
+    fused = pointwise.Fused(pointwise.warm_up(a, device, model.dtype))
+    weight_bytes = place(model, device, p.gpu_weights, gemm, fused)
+    hot_bytes = sum(h.nbytes for h in hot)
     if device.type == "cuda":
-        print(f"GPU side: {weight_bytes / 1e9:.2f} GB of weights", file=sys.stderr)
-        pointwise.warm_up(a, device, model.dtype)  # Triton compiles now, not in a first long prompt
-    check_kv_cache(s, model, device)
-    long_prefill, chunk = None, 0
-    if device.type == "cuda" and s.policy.moe_backend == "native":
-        group = group_size(s.policy.slp_group_experts, device, model.dtype)
-        long_prefill = slp_context(s, model, device, group)
+        print(f"GPU side: {(weight_bytes + hot_bytes) / 1e9:.2f} GB of weights", file=sys.stderr)
+    budget = free_bytes(device, p.gpu_memory_budget_gb)
+    kv = check_kv_cache(a, model.dtype, p.max_batch, p.max_context, budget, device)
+    cache = model.new_cache(p.max_batch, p.max_context, device)
+
+    long_prefill, group, chunk, loader = None, 1, 0, None
+    if device.type == "cuda" and native:
+        group = group_size(p.slp_group_experts, device, model.dtype)
         if a.fp8_block:
-            fp8_linear.warm_up(expert_gemm_shapes(a), device)
-        combine.warm_up(a.num_experts_per_tok, a.hidden_size, device, model.dtype)
-        chunk = s.policy.slp_chunk_tokens or auto_chunk(
-            model.args, kv_budget_bytes(s, device) - group_bytes(model.args, group), slot_bytes(model))
-    gen = Generator(model, s.policy.max_batch, s.policy.max_context, a.eos_token_id, device, long_prefill,
-                    s.policy.slp_cutoff_tokens, chunk)
-    if hot:
-        gen.after_prefill = lambda: [h.refresh() for h in hot]
-    if graphs_apply(s, device):
+            fp8_linear.warm_up(expert_gemm_shapes(a), device, gemm)
+        loader = StreamLoader(gemm, combine.warm_up(a.num_experts_per_tok, a.hidden_size, device, model.dtype))
+        slot = slot_bytes(model)
+        ledger = Ledger(budget, weight_bytes, kv, hot_bytes, group_bytes(a, group))
+        chunk = p.slp_chunk_tokens or auto_chunk(a, ledger.free, slot)
+        ring = None if p.ring_len == "auto" else int(p.ring_len)
+        long_prefill = LongPrefill(model, device, loader, slot, group, ring, p.gpu_memory_budget_gb)
+    else:
+        ledger = Ledger(budget, weight_bytes, kv, hot_bytes)
+    graphs = graphs_apply(s, device)
+    decode = None
+    if graphs:
         from hybrid.engine.cuda_graphs import GraphedDecode  # GPU only: loads the CUDA driver's entry point
 
-        gen.decode_step = GraphedDecode(model, gen.cache, staging, s.policy.cuda_graphs, s.policy.max_batch)
-    return Engine(model, tok, gen, device, staging)
+        decode = GraphedDecode(model, cache, staging, p.cuda_graphs, p.max_batch)
+    plan = Plan(device=device, threads=threads, cpu_kernel=selected(p.cpu_kernel) if native else "torch",
+                cpu_gemm_tile_tokens=p.cpu_gemm_tile_tokens, moe_backend=p.moe_backend,
+                deferred_experts=p.deferred_experts, max_batch=p.max_batch, max_context=p.max_context,
+                batch_cap=p.batch_cap, prefill_chunk_tokens=p.prefill_chunk_tokens,
+                slp_cutoff_tokens=p.slp_cutoff_tokens, slp_chunk_tokens=chunk,
+                ring_len=None if p.ring_len == "auto" else int(p.ring_len), slp_group_experts=group,
+                gpu_weights=p.gpu_weights, gpu_fp8_gemm=p.gpu_fp8_gemm, gpu_fp8_dequant_rows=p.gpu_fp8_dequant_rows,
+                cuda_graphs=p.cuda_graphs if graphs else "off", gpu_experts_per_layer=p.gpu_experts_per_layer,
+                ledger=ledger)
+    print(plan.describe(), file=sys.stderr)
+    after = functools.partial(_refresh, hot) if hot else None
+    parts = {"staging": staging, "loader": loader, "graphs": decode, "hot": hot, "gemm": gemm, "fused": fused}
+    return Engine(model, plan, tok, cache, decode, long_prefill, after, parts)
 
 
-def hot_experts(s: HybridConfig, model: Transformer, device: torch.device) -> list[HotExperts]:
+def _refresh(hot: list[HotExperts]) -> None:
+    for h in hot:
+        h.refresh()
+
+
+def hot_experts(s: HybridConfig, model: Transformer, device: torch.device,
+                gemm: fp8_linear.Fp8Gemm = fp8_linear.DEFAULT_GEMM) -> list[HotExperts]:
     """policy.gpu_experts_per_layer > 0: that many slots per MoE layer for the hottest routed experts on the GPU."""
     n, p = s.policy.gpu_experts_per_layer, s.policy
     if not n:
@@ -121,14 +135,12 @@ def hot_experts(s: HybridConfig, model: Transformer, device: torch.device) -> li
                           "policy.deferred_experts=0")
     layers = cpu_experts(model)
     need = n * len(layers) * slot_bytes(model)
-    budget = kv_budget_bytes(s, device)
+    budget = free_bytes(device, p.gpu_memory_budget_gb)
     if need > budget:
         raise ConfigError(f"policy.gpu_experts_per_layer={n} needs {need / 1e9:.2f} GB of GPU memory for "
                           f"{len(layers)} MoE layers but {max(budget, 0) / 1e9:.2f} GB is free: lower it "
                           "(or raise policy.gpu_memory_budget_gb)")
-    for layer in layers:
-        layer.attach_hot(HotExperts(layer.host_experts, n, device))
-    return [layer.hot for layer in layers]
+    return hot_experts_to_device(model, n, device, gemm)
 
 
 def expert_gemm_shapes(a) -> list[tuple[int, int]]:
@@ -152,42 +164,3 @@ def graphs_apply(s: HybridConfig, device: torch.device) -> bool:
 
 def slot_bytes(model: Transformer) -> int:
     return layout(expert_tensors(cpu_experts(model)[0].host_experts[0]))[1]
-
-
-def slp_context(s: HybridConfig, model: Transformer, device: torch.device, group: Optional[int] = None):
-    """tokens -> the stream-loading context for a chunk that long (ring length from policy.ring_len; experts
-    grouped by policy.slp_group_experts unless `group` says otherwise)."""
-    slot = slot_bytes(model)
-    group = group_size(s.policy.slp_group_experts, device, model.dtype) if group is None else group
-
-    def context(tokens: int):
-        budget = (kv_budget_bytes(s, device) + kept_ring_bytes(device) - activation_bytes(model.args, tokens)
-                  - group_bytes(model.args, group))
-        ring_len = (auto_ring_len(model.args.n_routed_experts, slot, budget)
-                    if s.policy.ring_len == "auto" else int(s.policy.ring_len))
-        return streaming(model, device, ring_len, budget, group)
-    return context
-
-
-def group_bytes(a, group: int) -> int:
-    """The BF16 weight buffer of SLP's expert groups (none when experts go one at a time)."""
-    return group * 3 * a.moe_intermediate_size * a.hidden_size * 2 if group > 1 else 0
-
-
-def auto_chunk(a, budget_bytes: float, slot: int) -> int:
-    """The most tokens whose prefill activations fit the budget beside a ping-pong ring (0 = no chunking needed
-    below a million tokens)."""
-    room = budget_bytes - 2 * slot
-    per_token = activation_bytes(a, 1)
-    if room <= per_token * 1024:
-        raise ConfigError(f"the GPU budget ({budget_bytes / 1e9:.2f} GB) leaves no room for stream-loading prefill "
-                          "activations: raise policy.gpu_memory_budget_gb or set policy.slp_chunk_tokens")
-    tokens = int(room // per_token)
-    return 0 if tokens >= 1_000_000 else tokens // 256 * 256
-
-
-def activation_bytes(a, tokens: int) -> float:
-    """A generous estimate of one MoE layer's prefill activations: hidden states, routing, one expert's
-    intermediate, attention scores per head chunk, and the layer's rows grouped by expert (in and out, BF16)."""
-    grouped = 2 * a.num_experts_per_tok * a.hidden_size * 2
-    return tokens * ((8 * a.hidden_size + 6 * a.moe_intermediate_size + 4 * a.num_experts_per_tok * 3) * 4 + grouped)

@@ -15,7 +15,8 @@ putting that hand-off in a graph are built (the decode bench measures both again
 Shapes must be static inside a graph, so there is one graph per (batch size, KV-length bucket): attention reads
 the cache up to the bucket (`kv_bucket`: at most 1/4 past the longest sequence) and masks the positions past each
 token, as it already does for sequences of different lengths. Graphs are captured lazily (a warm-up step, then the
-capture) and share one memory pool; they are replayed one at a time on one stream. A step whose capture fails runs
+capture; for its duration each MoE layer's CPU experts are swapped for `CapturedExperts`, which records the
+hand-off) and share one memory pool; they are replayed one at a time on one stream. A step whose capture fails runs
 eagerly (with a warning), and so does every later step of that shape.
 
 Legend: B batch (sequences), V vocabulary.
@@ -31,6 +32,7 @@ from typing import Callable
 import torch
 
 from hybrid import _native
+from hybrid.engine.placement import CpuExperts, DeferredCpuExperts, ExpertsWrapper, cpu_experts, swap_experts
 from hybrid.engine.staging import Staging
 from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
@@ -133,6 +135,34 @@ class _SegmentCapture:
         return self.steps
 
 
+class CapturedExperts(ExpertsWrapper):
+    """A layer's CPU experts while a graph is captured (swapped in for the capture only): the inputs go into the
+    fixed staging buffers without synchronising, and the hand-off is the capture's (`handoff_start` /
+    `handoff_end`: host nodes, or a cut between graphs)."""
+
+    def __init__(self, layer: CpuExperts, capture):
+        if isinstance(layer, DeferredCpuExperts):
+            raise ValueError("CUDA graphs need policy.deferred_experts=0")
+        super().__init__(layer)
+        self.capture = capture
+
+    def start(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> "_Captured":
+        layer = self.layer
+        s = layer.stage(x_TD, weights_TK, ids_TK, sync=False)
+        out_h = layer.staging.out(s.x_h.shape[0], fixed=True)
+        handoff = self.capture.handoff_start(layer.op, s.x_h, s.ids_h, s.w_h, out_h)
+        return _Captured(self, handoff, out_h, s.x_TD, layer.resident(s))
+
+
+class _Captured:
+    def __init__(self, experts: CapturedExperts, handoff, out_h: torch.Tensor, like: torch.Tensor, hot_TD=None):
+        self.experts, self.handoff, self.out_h, self.like, self.hot_TD = experts, handoff, out_h, like, hot_TD
+
+    def result(self) -> torch.Tensor:
+        self.experts.capture.handoff_end(self.handoff)
+        return self.experts.layer.join(self.out_h, self.like, self.hot_TD)
+
+
 @dataclass
 class _Graph:
     steps: list[Callable[[], None]]
@@ -147,6 +177,8 @@ class GraphedDecode:
     def __init__(self, model: Transformer, cache: KVCache, staging: Staging, mode: str, max_batch: int):
         if mode not in MODES[1:]:
             raise ValueError(f"policy.cuda_graphs must be one of {MODES}, got {mode!r}")
+        if any(isinstance(layer, DeferredCpuExperts) for layer in cpu_experts(model)):
+            raise ValueError("CUDA graphs need policy.deferred_experts=0")
         self.model, self.cache, self.staging, self.mode = model, cache, staging, mode
         self.device = next(model.parameters()).device
         self.graphs: dict[tuple[int, int], _Graph] = {}
@@ -206,15 +238,16 @@ class GraphedDecode:
             self._run(b, kv_len)  # warm-up (lazy initialisation must not happen during capture)
             side.synchronize()
             capture = (_HostFnCapture if self.mode == "hostfn" else _SegmentCapture)(self.pool)
-            self.staging.capture = capture
             try:
-                logits = self._run(b, kv_len)
+                _, restore = swap_experts(self.model, lambda layer: CapturedExperts(layer, capture))
+                try:
+                    logits = self._run(b, kv_len)
+                finally:
+                    restore()
             except BaseException:
                 with contextlib.suppress(Exception):  # end the capture; the first error is the one to report
                     capture.finish()
                 raise
-            finally:
-                self.staging.capture = None
             steps = capture.finish()
         torch.cuda.current_stream().wait_stream(side)
         graph = _Graph(steps, logits, capture.jobs)

@@ -63,6 +63,7 @@ class Engine:
         self.cache = cache or model.new_cache(plan.max_batch, plan.max_context, plan.device)
         self.device = plan.device
         self._decode = decode or self._eager_decode
+        self._decoders: dict[str, DecodeFn] = {plan.cuda_graphs: decode} if decode is not None else {}
         self._long_prefill, self._after_long_prefill = long_prefill, after_long_prefill
         self.parts = dict(parts or {})
         self.eos_id = model.args.eos_token_id
@@ -152,26 +153,34 @@ class Engine:
         req = chunk.request
         try:
             logits = self._prefill_logits(chunk)
+            token = self._samplers[req.id].sample(logits) if chunk.last else None
         except Exception as e:  # this request fails; the others go on
             self._fail([req], e, changed)
             return
         req.prefilled = chunk.end
-        if chunk.last:
+        if token is not None:
             req.state = State.decoding
-            self._append(req, self._samplers[req.id].sample(logits), changed)
+            self._append(req, token, changed)
 
     def _prefill_logits(self, chunk: Chunk) -> torch.Tensor:
-        req, dev = chunk.request, self.device
-        if not chunk.streamed:
-            return self._forward(req.prompt[chunk.start:chunk.end], chunk.start, req.slot)
-        step = self.plan.slp_chunk_tokens or (chunk.end - chunk.start)
-        for start in range(chunk.start, chunk.end, step):
-            end = min(chunk.end, start + step)
-            with self._long_prefill(end - start):
-                logits = self._forward(req.prompt[start:end], start, req.slot)
+        req = chunk.request
+        return self._prefill_range(req.prompt, chunk.start, chunk.end, req.slot, chunk.streamed)[0]
+
+    def _prefill_range(self, prompt: list[int], start: int, end: int, slot: int, streamed: bool,
+                       **stream) -> tuple[torch.Tensor, list]:
+        """prompt[start:end] into `slot` (the positions before it already there): the last token's logits, and the
+        stream-loading pipelines it went through (their statistics)."""
+        if not streamed:
+            return self._forward(prompt[start:end], start, slot), []
+        pipes, step = [], self.plan.slp_chunk_tokens or (end - start)
+        for at in range(start, end, step):
+            stop = min(end, at + step)
+            with self._long_prefill(stop - at, **stream) as pipe:
+                logits = self._forward(prompt[at:stop], at, slot)
+            pipes.append(pipe)
         if self._after_long_prefill is not None:
             self._after_long_prefill()
-        return logits
+        return logits, pipes
 
     def _forward(self, tokens: list[int], start: int, slot: int) -> torch.Tensor:
         """Prefill of tokens at positions start.. into `slot`: the last token's logits."""
@@ -192,10 +201,42 @@ class Engine:
             self._fail(live, e, changed)
             return
         for req, token in zip(live, tokens):
-            self._append(req, token, changed)
+            if isinstance(token, Exception):
+                self._fail([req], token, changed)
+            else:
+                self._append(req, token, changed)
 
     def _eager_decode(self, tokens_B1, pos_B1, slots_B, kv_len: int) -> torch.Tensor:
         return self.model(tokens_B1, pos_B1, self.cache, slots_B, kv_len=kv_len)[:, -1]
+
+    # -- probes: benchmarks and warm-up, outside the scheduler ------------------------------------------------
+    def prefill(self, prompt_ids: Sequence[int], slot: int = 0, streamed: Optional[bool] = None,
+                **stream) -> tuple[torch.Tensor, list]:
+        """Prefills prompt_ids into KV slot `slot` (no request may hold it) and returns the last token's logits and
+        the stream-loading pipelines used (their statistics). streamed: None = as the scheduler would (longer
+        than policy.slp_cutoff_tokens where stream-loading applies); `stream` (ring_len, group, gemm) replaces the
+        plan's for this call."""
+        prompt = list(prompt_ids)
+        if streamed is None:
+            streamed = self._long_prefill is not None and len(prompt) > self.plan.slp_cutoff_tokens
+        if streamed and self._long_prefill is None:
+            raise RuntimeError("stream-loading prefill needs a GPU and policy.moe_backend=native")
+        if any(r.slot == slot for r in self.scheduler.running):
+            raise RuntimeError(f"KV slot {slot} is held by a request")
+        return self._prefill_range(prompt, 0, len(prompt), slot, streamed, **stream)
+
+    def decoder(self, mode: Optional[str] = None) -> DecodeFn:
+        """The decode step (tokens_B1, pos_B1, slots_B, kv_len) -> logits_BV: eager for `off`, else under CUDA
+        graphs in that mode (hostfn | segments; captured on first use); None = the plan's."""
+        mode = mode or self.plan.cuda_graphs
+        if mode == "off":
+            return self._eager_decode
+        if mode not in self._decoders:
+            from hybrid.engine.cuda_graphs import GraphedDecode  # GPU only
+
+            self._decoders[mode] = GraphedDecode(self.model, self.cache, self.parts["staging"], mode,
+                                                 self.plan.max_batch)
+        return self._decoders[mode]
 
     # -- tokens, text, endings --------------------------------------------------------------------------------
     def _append(self, req: Request, token: int, changed: dict[int, Request]) -> None:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.kernels.fp8_linear import stored_linear
+from hybrid.kernels.fp8_linear import DEFAULT_GEMM, Fp8Gemm, stored_linear
 from hybrid.model.moe import RoutedExperts
 
 PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -27,12 +27,13 @@ DECAY = 0.5  # routing counts kept at each refresh
 
 
 class HotExperts(nn.Module):
-    def __init__(self, host_experts: RoutedExperts, n: int, device: torch.device):
+    def __init__(self, host_experts: RoutedExperts, n: int, device: torch.device, gemm: Fp8Gemm = DEFAULT_GEMM):
         super().__init__()
         if not 0 < n <= len(host_experts):
             raise ValueError(f"policy.gpu_experts_per_layer={n} must be between 1 and the {len(host_experts)} "
                              "routed experts of a layer")
-        object.__setattr__(self, "host_experts", host_experts)  # not a submodule: they stay on the host
+        self._host = (host_experts,)  # in a tuple, not a submodule: they stay on the host
+        self.gemm = gemm
         first = host_experts[0]
         self.block = first.gate_proj.block
         for p in PROJ:
@@ -45,6 +46,10 @@ class HotExperts(nn.Module):
         self.register_buffer("slot_of", torch.full((e,), -1, dtype=torch.long, device=device))
         self.register_buffer("counts", torch.zeros(e, dtype=torch.float32, device=device))
         self.resident: list[int] = [-1] * n  # expert id in each slot
+
+    @property
+    def host_experts(self) -> RoutedExperts:
+        return self._host[0]
 
     @property
     def n(self) -> int:
@@ -65,7 +70,7 @@ class HotExperts(nn.Module):
 
     def _linear(self, x: torch.Tensor, proj: str, j: int) -> torch.Tensor:
         scale = getattr(self, f"{proj}_s")[j] if self.block is not None else None
-        return stored_linear(x, getattr(self, f"{proj}_w")[j], scale, self.block)
+        return stored_linear(x, getattr(self, f"{proj}_w")[j], scale, self.block, self.gemm)
 
     def route(self, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
         """(each token's weight on each slot [T, N], 0 where not picked; the ids left for the CPU, resident picks

@@ -2,10 +2,15 @@
 
 - `experts_to_cpu_kernels`: every MoE layer's routed experts run on the native fused CPU op (csrc/moe.cpp),
   whatever device the rest of the model is on. Their weights stay in host memory: they are kept out of the module
-  tree, so moving the model leaves them where they are.
+  tree, so moving the model leaves them where they are. The variant (`VARIANTS`: eager, or with expert deferral)
+  is chosen here, once.
+- `swap_experts`: wrappers around every layer's CPU experts for a while (CUDA-graph capture, the step profiler),
+  the layers put back after.
 - `place`: the rest of the model (attention, dense layers, shared experts, router, embeddings, lm_head) moves to
   the compute device; on a GPU its FP8 weights are dequantised once to the compute dtype (`gpu_weights=dense`) or
-  kept in FP8 and dequantised per use (`fp8`: half the memory).
+  kept in FP8 and dequantised per use (`fp8`: half the memory). The modules it places get the FP8 GEMM and the
+  fused-kernel decision chosen for the device.
+- `hot_experts_to_device`: every MoE layer on the CPU kernels gets GPU slots for its hottest routed experts.
 - `pin_experts`: the routed experts' weights move into one pinned host arena per layer (fast copies to the GPU for
   stream-loading prefill); the mmap'd checkpoint pages are then no longer referenced.
 
@@ -13,19 +18,20 @@ Legend: T tokens, D hidden, K experts per token.
 """
 from __future__ import annotations
 
-import time
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
 
+from hybrid.kernels.fp8_linear import DEFAULT_GEMM, Fp8Gemm
 from hybrid.kernels.moe import CpuMoE
-from hybrid.model.layers import Linear
+from hybrid.kernels.pointwise import FUSED, Fused
+from hybrid.model.attention import MLA
+from hybrid.model.layers import Linear, RMSNorm
 from hybrid.model.moe import MoE, RoutedExperts
 from hybrid.engine.hot_experts import PROJ, HotExperts
-from hybrid.engine.staging import Deferral, Staging, record_wait
-from hybrid.prefill.ring import layout
-
+from hybrid.engine.staging import Deferral, Staging
+from hybrid.prefill.ring import expert_tensors, layout
 
 
 def _cpu_op(experts: RoutedExperts, kernel: str) -> CpuMoE:
@@ -35,56 +41,77 @@ def _cpu_op(experts: RoutedExperts, kernel: str) -> CpuMoE:
     return CpuMoE(*weights, *scales, kernel=kernel)
 
 
+class Staged(NamedTuple):
+    """A layer's inputs in the host buffers, and what stays on the caller's device."""
+    x_h: torch.Tensor
+    w_h: torch.Tensor
+    ids_h: torch.Tensor  # resident picks as -1
+    x_TD: torch.Tensor  # the caller's activations: the output goes back to their device and dtype
+    w_TN: Optional[torch.Tensor]  # each token's weight on each resident slot (None: no resident experts)
+
+
 class CpuExperts(nn.Module):
     """RoutedExperts' interface over the native CPU op. `start` hands the layer to the CPU threads and returns at
     once (the caller computes the shared experts meanwhile); the handle's `result()` joins and hands the output back
-    on the caller's device."""
+    on the caller's device. `start` is `stage` (into the staging buffers) then `submit` (to the CPU threads): a
+    wrapper can run them apart. `hot`: experts of this layer resident on the compute device, computed there."""
 
     def __init__(self, experts: RoutedExperts, staging: Staging, kernel: str = "auto",
-                 deferral: Optional[Deferral] = None, last: bool = False):
+                 hot: Optional[HotExperts] = None):
         super().__init__()
-        object.__setattr__(self, "host_experts", experts)  # not a submodule: stays in host memory
-        self.kernel, self.staging, self.deferral, self.last = kernel, staging, deferral, last
+        # in a tuple, not submodules: moving the model leaves the host experts in host memory, and the resident
+        # slots are no checkpoint weights (allocated where they live)
+        self._outside = (experts, hot)
+        self.kernel, self.staging = kernel, staging
         self.op = _cpu_op(experts, kernel)
-        self.timings: Optional[dict] = None  # set by a profiler: seconds of stage / cpu_moe / wait / to_device
-        self.experts_read = 0
         self.arena: Optional[torch.Tensor] = None  # pin_experts: every expert's weights, slot_bytes apart
         self.slot_bytes = 0
-        object.__setattr__(self, "hot", None)  # HotExperts on the compute device (set by the engine; not a
-        # submodule: its slots are not checkpoint weights and are allocated where they live)
 
-    def attach_hot(self, hot: Optional[HotExperts]) -> None:
-        """Experts of this layer resident on the compute device (kept out of the module tree)."""
-        object.__setattr__(self, "hot", hot)
+    @classmethod
+    def for_layers(cls, experts: list[RoutedExperts], staging: Staging, kernel: str,
+                   deferred_experts: int) -> list["CpuExperts"]:
+        """One per MoE layer of a model, in order."""
+        return [cls(e, staging, kernel) for e in experts]
+
+    @property
+    def host_experts(self) -> RoutedExperts:
+        return self._outside[0]
+
+    @property
+    def hot(self) -> Optional[HotExperts]:
+        return self._outside[1]
+
+    def with_hot(self, hot: Optional[HotExperts]) -> "CpuExperts":
+        """This layer with `hot` resident experts: a new module over the same host experts, staging and arena."""
+        layer = CpuExperts(self.host_experts, self.staging, self.kernel, hot)
+        layer.arena, layer.slot_bytes = self.arena, self.slot_bytes
+        return layer
 
     def rebuild(self) -> None:
         """After the expert weights moved (pinning), point the native op at them."""
         self.op = _cpu_op(self.host_experts, self.kernel)
 
-    def start(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
+    def stage(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
+              sync: bool = True) -> Staged:
+        """Takes the resident experts' picks off the CPU's ids and copies the inputs to the host (`sync`: see
+        Staging.to_host)."""
         w_TN = None
-        if self.hot is not None:  # resident experts leave the CPU's ids as -1; computed below, overlapping it
+        if self.hot is not None:  # resident experts leave the CPU's ids as -1; computed on submission
             w_TN, ids_TK = self.hot.route(weights_TK, ids_TK)
-        capture = self.staging.capture
-        if capture is not None:  # being recorded into a CUDA graph: no synchronisation, the graph hands off
-            x_h, w_h, ids_h = self.staging.to_host(x_TD, weights_TK, ids_TK, sync=False)
-            out_h = self.staging.out(x_h.shape[0], fixed=True)
-            handoff = capture.handoff_start(self.op, x_h, ids_h, w_h, out_h)
-            return _Captured(self, handoff, out_h, x_TD, self._hot(x_TD, w_TN))
-        t0 = time.perf_counter()
-        x_h, w_h, ids_h = self.staging.to_host(x_TD, weights_TK, ids_TK)
-        if self.timings is not None:
-            self.timings["stage"] += time.perf_counter() - t0
-            self.experts_read += int(ids_h[ids_h >= 0].unique().numel())
-            self.submitted = time.perf_counter()
-        if self.deferral is not None:
-            return self.deferral.start(self, x_h, w_h, ids_h, x_TD)
-        out_h = self.staging.out(x_h.shape[0])
-        self.op.submit(x_h, ids_h, w_h, out_h)
-        return _Pending(self, out_h, x_TD, self._hot(x_TD, w_TN))
+        return Staged(*self.staging.to_host(x_TD, weights_TK, ids_TK, sync=sync), x_TD, w_TN)
 
-    def _hot(self, x_TD: torch.Tensor, w_TN: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None if w_TN is None else self.hot(x_TD, w_TN)
+    def submit(self, s: Staged) -> "_Pending":
+        """Starts the CPU op on the staged inputs, then the resident experts on their device (overlapping it)."""
+        out_h = self.staging.out(s.x_h.shape[0])
+        self.op.submit(s.x_h, s.ids_h, s.w_h, out_h)
+        return _Pending(self, out_h, s.x_TD, self.resident(s))
+
+    def start(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
+        return self.submit(self.stage(x_TD, weights_TK, ids_TK))
+
+    def resident(self, s: Staged) -> Optional[torch.Tensor]:
+        """The resident experts' output [T, D] (fp32), or None without them."""
+        return None if s.w_TN is None else self.hot(s.x_TD, s.w_TN)
 
     def join(self, out_h: torch.Tensor, like: torch.Tensor, hot_TD: Optional[torch.Tensor]) -> torch.Tensor:
         """The CPU op's output on the caller's device (plus the resident experts')."""
@@ -97,48 +124,120 @@ class CpuExperts(nn.Module):
 
 
 class _Pending:
+    """A layer on the CPU threads: `wait()` joins the CPU op (idempotent), `result()` also hands the output back."""
+
     def __init__(self, layer: CpuExperts, out_h: torch.Tensor, like: torch.Tensor, hot_TD=None):
         self.layer, self.out_h, self.like, self.hot_TD = layer, out_h, like, hot_TD
 
-    def result(self) -> torch.Tensor:
-        t0 = time.perf_counter()
+    def wait(self) -> None:
         self.layer.op.wait()
-        t1 = time.perf_counter()
-        out = self.layer.join(self.out_h, self.like, self.hot_TD)
-        record_wait(self.layer, t0, t1)
-        return out
-
-
-class _Captured:
-    def __init__(self, layer: CpuExperts, handoff, out_h: torch.Tensor, like: torch.Tensor, hot_TD=None):
-        self.layer, self.handoff, self.out_h, self.like, self.hot_TD = layer, handoff, out_h, like, hot_TD
 
     def result(self) -> torch.Tensor:
-        self.layer.staging.capture.handoff_end(self.handoff)
+        self.wait()
         return self.layer.join(self.out_h, self.like, self.hot_TD)
+
+
+class DeferredCpuExperts(CpuExperts):
+    """CpuExperts with expert deferral (staging.Deferral, shared by the model's layers): each token's lowest-weighted
+    experts join the residual stream one MoE layer late; `last`, the model's last MoE layer, waits for its own."""
+
+    def __init__(self, experts: RoutedExperts, staging: Staging, kernel: str, deferral: Deferral,
+                 last: bool = False):
+        super().__init__(experts, staging, kernel)
+        self.deferral, self.last = deferral, last
+
+    @classmethod
+    def for_layers(cls, experts: list[RoutedExperts], staging: Staging, kernel: str,
+                   deferred_experts: int) -> list["CpuExperts"]:
+        deferral = Deferral(deferred_experts, staging)
+        return [cls(e, staging, kernel, deferral, last=i == len(experts) - 1) for i, e in enumerate(experts)]
+
+    def with_hot(self, hot: Optional[HotExperts]) -> "CpuExperts":
+        raise ValueError("resident (hot) experts need policy.deferred_experts=0")
+
+    def submit(self, s: Staged):
+        return self.deferral.start(self, s.x_h, s.w_h, s.ids_h, s.x_TD)
+
+
+# the CPU-experts variants, chosen once at placement
+VARIANTS: dict[str, type[CpuExperts]] = {"eager": CpuExperts, "deferred": DeferredCpuExperts}
 
 
 def experts_to_cpu_kernels(model: nn.Module, kernel: str = "auto", staging: Optional[Staging] = None,
                            deferred_experts: int = 0) -> int:
-    """Returns the number of MoE layers placed."""
+    """Every MoE layer's routed experts onto the CPU op: the `deferred` variant when deferred_experts is set, else
+    `eager`. Returns the number of MoE layers placed."""
     moes = [m for m in model.modules() if isinstance(m, MoE) and isinstance(m.experts, RoutedExperts)]
     if not moes:
         return 0
     args = moes[0].gate.args
     staging = staging or Staging(args.hidden_size, args.num_experts_per_tok)
-    deferral = Deferral(deferred_experts, staging) if deferred_experts else None
-    for i, m in enumerate(moes):
-        m.experts = CpuExperts(m.experts, staging, kernel, deferral, last=i == len(moes) - 1)
+    variant = VARIANTS["deferred" if deferred_experts else "eager"]
+    for m, layer in zip(moes, variant.for_layers([m.experts for m in moes], staging, kernel, deferred_experts)):
+        m.experts = layer
     return len(moes)
+
+
+class ExpertsWrapper(nn.Module):
+    """Base of the wrappers swapped in around a layer's CpuExperts (`swap_experts`): the layer stays a submodule, so
+    `cpu_experts` still finds it, and its host-side attributes read through (hybrid/prefill/slp.py HostExpertLayer).
+    Subclasses define `start`."""
+
+    def __init__(self, layer: CpuExperts):
+        super().__init__()
+        self.layer = layer
+
+    @property
+    def host_experts(self) -> RoutedExperts:
+        return self.layer.host_experts
+
+    @property
+    def arena(self) -> Optional[torch.Tensor]:
+        return self.layer.arena
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.layer.slot_bytes
+
+    @property
+    def hot(self) -> Optional[HotExperts]:
+        return self.layer.hot
+
+    def forward(self, x_TD, weights_TK, ids_TK) -> torch.Tensor:
+        return self.start(x_TD, weights_TK, ids_TK).result()
+
+
+def swap_experts(model: nn.Module, wrap: Callable[[CpuExperts], ExpertsWrapper]
+                 ) -> tuple[list[ExpertsWrapper], Callable[[], None]]:
+    """Every MoE layer's CpuExperts replaced by wrap(layer) (all of them, or none where wrap raises); returns the
+    wrappers and the function that puts the layers back."""
+    moes = [m for m in model.modules() if isinstance(m, MoE) and isinstance(m.experts, CpuExperts)]
+    layers = [m.experts for m in moes]
+    wrappers = [wrap(layer) for layer in layers]
+    for m, w in zip(moes, wrappers):
+        m.experts = w
+
+    def restore() -> None:
+        for m, layer, w in zip(moes, layers, wrappers):
+            if m.experts is w:
+                m.experts = layer
+    return wrappers, restore
 
 
 def cpu_experts(model: nn.Module) -> list[CpuExperts]:
     return [m for m in model.modules() if isinstance(m, CpuExperts)]
 
 
-def place(model: nn.Module, device: torch.device, gpu_weights: str = "dense") -> int:
-    """Moves everything but the routed experts to `device`; returns the bytes of weights now on it."""
+def place(model: nn.Module, device: torch.device, gpu_weights: str = "dense", gemm: Fp8Gemm = DEFAULT_GEMM,
+          fused: Fused = FUSED) -> int:
+    """Moves everything but the routed experts to `device`, its Linears computing through `gemm` and its norms, RoPE
+    and key expansion by `fused`; returns the bytes of weights now on it."""
     model.to(device)
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.gemm = gemm
+        elif isinstance(m, (RMSNorm, MLA)):
+            m.fused = fused
     if device.type == "cuda" and gpu_weights == "dense":
         for lin in [m for m in model.modules() if isinstance(m, Linear) and m.block is not None]:
             lin.weight = nn.Parameter(lin.dense_weight(model.dtype), requires_grad=False)
@@ -147,18 +246,15 @@ def place(model: nn.Module, device: torch.device, gpu_weights: str = "dense") ->
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
 
-def expert_tensors(expert: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """One expert's tensors in slot order: gate and up weights side by side (one GEMM can read them as one [2I, D]
-    matrix), then their scales, then down's weight and scale."""
-    names = ["gate_proj.weight", "up_proj.weight", "gate_proj.weight_scale_inv", "up_proj.weight_scale_inv",
-             "down_proj.weight", "down_proj.weight_scale_inv"]
-    out = []
-    for name in names:
-        proj, attr = name.split(".")
-        t = getattr(getattr(expert, proj), attr, None)
-        if t is not None:
-            out.append((name, t))
-    return out
+def hot_experts_to_device(model: nn.Module, n: int, device: torch.device,
+                          gemm: Fp8Gemm = DEFAULT_GEMM) -> list[HotExperts]:
+    """Every MoE layer on the CPU kernels gets n slots on `device` for its hottest routed experts (computed through
+    `gemm`); returns them, layer by layer."""
+    hot = []
+    for m in [m for m in model.modules() if isinstance(m, MoE) and isinstance(m.experts, CpuExperts)]:
+        m.experts = m.experts.with_hot(HotExperts(m.experts.host_experts, n, device, gemm))
+        hot.append(m.experts.hot)
+    return hot
 
 
 def pin_experts(model: nn.Module, pin: bool = True) -> int:

@@ -9,24 +9,7 @@ from typing import Optional
 
 import torch
 
-
-@dataclass(frozen=True)
-class Ledger:
-    """Memory of the compute device (bytes): the budget and what each use takes from it. The stream-loading ring
-    and the prompt's activations share what is left (`free`), per prompt."""
-    budget: float = 0.0
-    weights: float = 0.0
-    kv_cache: float = 0.0
-    hot_experts: float = 0.0
-    group_buffer: float = 0.0
-
-    @property
-    def free(self) -> float:
-        return self.budget - self.kv_cache - self.hot_experts - self.group_buffer
-
-    def rows(self) -> list[tuple[str, float]]:
-        return [("weights (placed)", self.weights), ("KV cache", self.kv_cache), ("hot experts", self.hot_experts),
-                ("SLP group buffer", self.group_buffer), ("left for ring + activations", self.free)]
+from hybrid.engine.memory import Ledger
 
 
 @dataclass(frozen=True)
@@ -60,7 +43,7 @@ class Plan:
         """Flat name -> value, for tracking."""
         out = {k: v for k, v in asdict(self).items() if k != "ledger"}
         out["device"] = str(self.device)
-        out.update({f"ledger.{k}": v for k, v in asdict(self.ledger).items()})
+        out.update({f"ledger.{k}": v for k, v in self.ledger.params().items()})
         return out
 
     def describe(self) -> str:

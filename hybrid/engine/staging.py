@@ -6,27 +6,18 @@ only host<->device synchronisation of a layer; counted in `syncs`), and the CPU 
 stream-ordered copy. Reusing one set is safe: the next layer's synchronisation also waits for the previous copy
 back. On the CPU the buffers are bypassed unless `stage_on_cpu` (tests use it to run the GPU logic in CI).
 
-`Deferral` is KTransformers' expert deferral (policy.deferred_experts = D): each token's D lowest-weighted experts
-run after the others, overlapping the next layer's attention; their output joins the residual stream one MoE layer
-late (the last layer waits for its own). It changes the model's output slightly, so it is off by default.
+`Deferral` is KTransformers' expert deferral (policy.deferred_experts = D; placement's DeferredCpuExperts): each
+token's D lowest-weighted experts run after the others, overlapping the next layer's attention; their output joins
+the residual stream one MoE layer late (the last layer waits for its own). It changes the model's output slightly,
+so it is off by default.
 
 Legend: T tokens, D hidden, K experts per token.
 """
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
-
-
-def record_wait(layer, waited_from: float, done: float) -> None:
-    """For a profiler (layer.timings set): the caller's wait, the CPU MoE from submission to its end, the copy back."""
-    t = layer.timings
-    if t is not None:
-        t["wait"] += done - waited_from
-        t["cpu_moe"] += done - layer.submitted
-        t["to_device"] += time.perf_counter() - done
 
 
 class _Buffers:
@@ -45,7 +36,6 @@ class Staging:
         self.syncs = 0
         self._bufs: Optional[_Buffers] = None  # eager calls: grown on demand
         self._fixed: Optional[_Buffers] = None  # CUDA graphs: allocated once, never moved (graphs hold addresses)
-        self.capture = None  # set while a CUDA graph is captured (hybrid/engine/cuda_graphs.py)
 
     def reserve(self, rows: int) -> None:
         """The fixed buffers CUDA graphs copy into, for up to `rows` tokens (allocate before capturing)."""
@@ -124,13 +114,17 @@ class Deferral:
 
 
 class _DeferredPending:
+    """`wait()` joins the layer's experts run now (idempotent); `result()` also takes the previous layer's deferred
+    ones, submits this layer's and hands the sum back."""
+
     def __init__(self, deferral: Deferral, layer, out_now, late_job, like):
         self.d, self.layer, self.out_now, self.late_job, self.like = deferral, layer, out_now, late_job, like
 
-    def result(self) -> torch.Tensor:
-        t0 = time.perf_counter()
+    def wait(self) -> None:
         self.layer.op.wait()
-        t1 = time.perf_counter()
+
+    def result(self) -> torch.Tensor:
+        self.wait()
         total = self.out_now
         previous = self.d.take_late(self.layer)
         if previous is not None:
@@ -143,6 +137,4 @@ class _DeferredPending:
             total = total + out_late
         else:
             self.d._late = (self.layer, out_late)
-        out = self.d.staging.to_device(total, self.like)
-        record_wait(self.layer, t0, t1)
-        return out
+        return self.d.staging.to_device(total, self.like)

@@ -6,6 +6,8 @@ where token t's k-th pick landed. On a GPU one Triton pass reads each y row once
 FP32 temporary the size of y, no atomics (an FP32 index_add_ over the rows cost ~24 ms per MoE layer at 32K tokens
 on the H200, this ~1); elsewhere torch ops, a slice of tokens at a time.
 
+Whether the Triton pass may run is the caller's `fused` (False where it failed to compile: `warm_up` says).
+
 Legend: T tokens, K picks per token, R = T·K rows, D hidden.
 """
 from __future__ import annotations
@@ -22,11 +24,12 @@ except ImportError:  # CPU-only installs
 
 BLOCK_D = 1024  # hidden features per Triton program
 SLICE_BYTES = 1 << 28  # FP32 temporary of the torch way, per slice of tokens
-enabled = True  # False once the kernel failed to compile (warm_up)
 
 
-def combine(y_RD: torch.Tensor, row_TK: torch.Tensor, w_TK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Σ_k w_TK[t, k] · y_RD[row_TK[t, k]] for every token t, as `dtype` [T, D]."""
+def combine(y_RD: torch.Tensor, row_TK: torch.Tensor, w_TK: torch.Tensor, dtype: torch.dtype,
+            fused: bool = True) -> torch.Tensor:
+    """Σ_k w_TK[t, k] · y_RD[row_TK[t, k]] for every token t, as `dtype` [T, D]; the Triton pass on a GPU when
+    `fused`."""
     T, K = row_TK.shape
     if w_TK.shape != (T, K) or y_RD.dim() != 2 or y_RD.shape[0] != T * K:
         raise ValueError(f"combine: {T}x{K} picks need {T * K} rows of y and weights [{T}, {K}]; got y "
@@ -35,7 +38,7 @@ def combine(y_RD: torch.Tensor, row_TK: torch.Tensor, w_TK: torch.Tensor, dtype:
     out_TD = torch.empty(T, D, dtype=dtype, device=y_RD.device)
     if T == 0:
         return out_TD
-    if enabled and y_RD.is_cuda and triton is not None:
+    if fused and y_RD.is_cuda and triton is not None:
         grid = (T, triton.cdiv(D, BLOCK_D))
         _combine[grid](y_RD.contiguous(), row_TK.contiguous(), w_TK.float().contiguous(), out_TD, D, K=K,
                        BLOCK=BLOCK_D)
@@ -47,18 +50,18 @@ def combine(y_RD: torch.Tensor, row_TK: torch.Tensor, w_TK: torch.Tensor, dtype:
     return out_TD
 
 
-def warm_up(k: int, d: int, device, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Compile the kernel for k picks per token and d features now (not in a first long prompt's time); where it
-    fails, the torch form runs from now on."""
-    global enabled
+def warm_up(k: int, d: int, device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Compile the kernel for k picks per token and d features now (not in a first long prompt's time). Whether it
+    compiled and ran (False, having warned, where it failed; False too where it cannot run: no GPU or no Triton)
+    — combine's `fused`."""
     if triton is None or torch.device(device).type != "cuda":
-        return
+        return False
 
     def run():
         combine(torch.zeros(k, d, dtype=dtype, device=device), torch.arange(k, device=device)[None],
                 torch.ones(1, k, device=device), dtype)
         torch.cuda.synchronize(device)
-    enabled = compiled("the experts' combine", run)
+    return compiled("the experts' combine", run)
 
 
 if triton is not None:

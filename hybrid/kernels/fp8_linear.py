@@ -1,6 +1,6 @@
 """FP8 block-scaled linear on the GPU: y = x · (q ⊙ s)ᵀ, q [N, K] FP8 E4M3 with one scale per 128×128 block.
 
-Two ways, chosen by `policy.gpu_fp8_gemm` (set_backend):
+Two ways, chosen by `policy.gpu_fp8_gemm` (an `Fp8Gemm`, handed to the code that multiplies):
 - `triton`: a Triton GEMM that reads the FP8 weights directly, converts each tile to BF16 in registers, multiplies
   on the tensor cores with FP32 accumulation and applies the block's scale once per 128-wide K block (post-scaling,
   as the CPU kernels do). Nothing is written besides y.
@@ -14,8 +14,9 @@ Legend: M rows of x (tokens), N output features, K input features.
 """
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +30,6 @@ except ImportError:  # CPU-only installs
     triton = None
 
 BACKENDS = ("triton", "dequant", "auto")
-_backend = "triton"
-_dequant_from_rows = 512
 
 
 @dataclass(frozen=True)
@@ -61,57 +60,80 @@ class Tile:
         return f"{self.bm}x{self.bn}x{self.bk}/{self.warps}/{self.stages}"
 
 
-# by rows of x (tokens): decode-sized, a few hundred, prefill-sized
-TILES = {16: Tile(16, 128, 128, 4, 3), 256: Tile(64, 128, 128, 4, 3), None: Tile(128, 128, 128, 8, 3)}
+# (up to this many rows of x, tile) in increasing order: decode-sized, a few hundred; then prefill-sized (None: more)
+TILES = ((16, Tile(16, 128, 128, 4, 3)), (256, Tile(64, 128, 128, 4, 3)), (None, Tile(128, 128, 128, 8, 3)))
 
 
-def tile_for(m: int) -> Tile:
-    return TILES[None] if uses_large_tile(m) else next(t for limit, t in TILES.items() if limit and m <= limit)
+@dataclass(frozen=True)
+class Fp8Gemm:
+    """How x goes through FP8 weights: the backend (`policy.gpu_fp8_gemm`), the row count from which `auto`
+    dequantises (`policy.gpu_fp8_dequant_rows`) and the Triton tiles by rows of x (TILES' form)."""
+    backend: str = "triton"
+    dequant_from_rows: int = 512
+    tiles: tuple[tuple[Optional[int], Tile], ...] = TILES
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"policy.gpu_fp8_gemm must be one of {BACKENDS}, got {self.backend!r}")
+        if self.dequant_from_rows < 1:
+            raise ValueError(f"policy.gpu_fp8_dequant_rows must be >= 1, got {self.dequant_from_rows}")
+        limits = [limit for limit, _ in self.tiles]
+        if not limits or limits[-1] is not None or None in limits[:-1] or limits[:-1] != sorted(set(limits[:-1])):
+            raise ValueError(f"Fp8Gemm tiles: row limits increasing, the last one None (more rows), got {limits}")
+
+    @property
+    def large_tile(self) -> Tile:
+        """The prefill tile: rows past every other tile's limit."""
+        return self.tiles[-1][1]
+
+    def with_(self, backend: Optional[str] = None, large_tile: Optional[Tile] = None) -> "Fp8Gemm":
+        """This one with another backend and/or prefill tile (benchmarks)."""
+        tiles = self.tiles if large_tile is None else self.tiles[:-1] + ((None, large_tile),)
+        return dataclasses.replace(self, backend=backend or self.backend, tiles=tiles)
+
+    def uses_large_tile(self, m: int) -> bool:
+        """Whether m rows take the prefill tile (more rows than any other tile's limit)."""
+        return len(self.tiles) == 1 or m > self.tiles[-2][0]
+
+    def tile_for(self, m: int) -> Tile:
+        return next(t for limit, t in self.tiles if limit is None or m <= limit)
+
+    def path(self, x: torch.Tensor, block, m: int) -> str:
+        """How m rows of x go through FP8 weights: `triton` (the FP8 GEMM), `dequant` (Triton dequantise + cuBLAS)
+        or `torch` (torch ops dequantise: CPU, other dtypes or blocks, no Triton)."""
+        if triton is None or not x.is_cuda or x.dtype != torch.bfloat16 or tuple(block) != (128, 128):
+            return "torch"
+        if self.backend == "triton" or (self.backend == "auto" and m < self.dequant_from_rows):
+            return "triton"
+        return "dequant"
+
+    def linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block, out=None) -> torch.Tensor:
+        """x [..., K] -> [..., N]; `out` (2-D [M, N], rows contiguous) receives it when given."""
+        n, k = q.shape
+        m = x.numel() // k if k else 0
+        how = self.path(x, block, m)
+        if how != "triton":
+            w = dequantize(q, scale, block, x.dtype) if how == "dequant" else fp8.dequantize(q, scale, block, x.dtype)
+            if out is not None and how == "dequant" and out.is_contiguous():
+                return torch.mm(x.reshape(m, k), w.t(), out=out)
+            y = F.linear(x, w)
+            return out.copy_(y.view(out.shape)) if out is not None else y
+        _check_layout(q, scale, block)
+        x_MK = x.reshape(-1, k)
+        if x_MK.stride(-1) != 1:
+            x_MK = x_MK.contiguous()
+        y_MN = out if out is not None and out.stride(-1) == 1 else torch.empty(m, n, dtype=x.dtype, device=x.device)
+        if m:
+            t = self.tile_for(m)
+            grid = (triton.cdiv(m, t.bm), triton.cdiv(n, t.bn))
+            _fp8_block_mm[grid](x_MK, q, scale, y_MN, m, n, k, x_MK.stride(0), q.stride(0), scale.stride(0),
+                                y_MN.stride(0), BM=t.bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages)
+        if out is not None:
+            return out if y_MN is out else out.copy_(y_MN)
+        return y_MN.view(*x.shape[:-1], n)
 
 
-def uses_large_tile(m: int) -> bool:
-    """Whether m rows take the prefill tile, TILES[None] (more rows than any other tile's limit)."""
-    return m > max(limit for limit in TILES if limit is not None)
-
-
-@contextlib.contextmanager
-def overridden(backend: str | None = None, large_tile: Tile | None = None):
-    """Within the block, this backend and prefill tile; the chosen ones are back afterwards (benchmarks)."""
-    chosen, tile = _backend, TILES[None]
-    try:
-        if backend is not None:
-            set_backend(backend)
-        if large_tile is not None:
-            TILES[None] = large_tile
-        yield
-    finally:
-        set_backend(chosen)
-        TILES[None] = tile
-
-
-def set_backend(name: str, dequant_from_rows: int | None = None) -> None:
-    global _backend, _dequant_from_rows
-    if name not in BACKENDS:
-        raise ValueError(f"policy.gpu_fp8_gemm must be one of {BACKENDS}, got {name!r}")
-    if dequant_from_rows is not None:
-        if dequant_from_rows < 1:
-            raise ValueError(f"policy.gpu_fp8_dequant_rows must be >= 1, got {dequant_from_rows}")
-        _dequant_from_rows = int(dequant_from_rows)
-    _backend = name
-
-
-def backend() -> str:
-    return _backend
-
-
-def path(x: torch.Tensor, block, m: int) -> str:
-    """How m rows of x go through FP8 weights: `triton` (the FP8 GEMM), `dequant` (Triton dequantise + cuBLAS) or
-    `torch` (torch ops dequantise: CPU, other dtypes or blocks, no Triton)."""
-    if triton is None or not x.is_cuda or x.dtype != torch.bfloat16 or tuple(block) != (128, 128):
-        return "torch"
-    if _backend == "triton" or (_backend == "auto" and m < _dequant_from_rows):
-        return "triton"
-    return "dequant"
+DEFAULT_GEMM = Fp8Gemm()  # policy.gpu_fp8_gemm's defaults
 
 
 def _check_layout(q: torch.Tensor, scale: torch.Tensor, block) -> None:
@@ -138,52 +160,29 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block, dtype=torch.bfloat16
     return w
 
 
-def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block, out=None) -> torch.Tensor:
-    """x [..., K] -> [..., N]; `out` (2-D [M, N], rows contiguous) receives it when given."""
-    n, k = q.shape
-    m = x.numel() // k if k else 0
-    how = path(x, block, m)
-    if how != "triton":
-        w = dequantize(q, scale, block, x.dtype) if how == "dequant" else fp8.dequantize(q, scale, block, x.dtype)
-        if out is not None and how == "dequant" and out.is_contiguous():
-            return torch.mm(x.reshape(m, k), w.t(), out=out)
-        y = F.linear(x, w)
-        return out.copy_(y.view(out.shape)) if out is not None else y
-    _check_layout(q, scale, block)
-    x_MK = x.reshape(-1, k)
-    if x_MK.stride(-1) != 1:
-        x_MK = x_MK.contiguous()
-    y_MN = out if out is not None and out.stride(-1) == 1 else torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m:
-        t = tile_for(m)
-        grid = (triton.cdiv(m, t.bm), triton.cdiv(n, t.bn))
-        _fp8_block_mm[grid](x_MK, q, scale, y_MN, m, n, k, x_MK.stride(0), q.stride(0), scale.stride(0),
-                            y_MN.stride(0), BM=t.bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages)
-    if out is not None:
-        return out if y_MN is out else out.copy_(y_MN)
-    return y_MN.view(*x.shape[:-1], n)
-
-
-def stored_linear(x: torch.Tensor, w: torch.Tensor, scale, block, out=None) -> torch.Tensor:
-    """x through a weight as checkpoints store it: BF16 (`block` None) or FP8 with block scales."""
+def stored_linear(x: torch.Tensor, w: torch.Tensor, scale, block, gemm: Fp8Gemm = DEFAULT_GEMM,
+                  out=None) -> torch.Tensor:
+    """x through a weight as checkpoints store it: BF16 (`block` None) or FP8 with block scales (through `gemm`)."""
     if block is None:
         y = F.linear(x, w.to(x.dtype))
         return out.copy_(y) if out is not None else y
-    return fp8_linear(x, w, scale, block, out=out)
+    return gemm.linear(x, w, scale, block, out=out)
 
 
-def warm_up(shapes, device) -> None:
-    """Compile the kernel's variants (one per row-tile size) for these weight shapes [N, K] now, so that a first
-    prefill does not pay Triton's compilation (seconds) in its time to first token."""
+def warm_up(shapes, device, gemm: Fp8Gemm = DEFAULT_GEMM) -> None:
+    """Compile the kernel's variants (one per row-tile size of `gemm`) and the dequantise kernel for these weight
+    shapes [N, K] now, so that a first prefill does not pay Triton's compilation (seconds) in its time to first
+    token."""
     if triton is None or torch.device(device).type != "cuda":
         return
+    limits = [limit for limit, _ in gemm.tiles[:-1]]
+    rows = limits + [limits[-1] + 1 if limits else 1]  # one row count per tile
     for n, k in shapes:
         q = torch.zeros(n, k, dtype=fp8.FP8, device=device)
         s = torch.ones(-(-n // 128), -(-k // 128), dtype=torch.float32, device=device)
-        for how, rows in (("triton", (1, 64, 512)), ("dequant", (1,))):  # every tile, the dequantise kernel
-            with overridden(how):
-                for m in rows:
-                    fp8_linear(torch.zeros(m, k, dtype=torch.bfloat16, device=device), q, s, (128, 128))
+        for way, ms in ((gemm.with_(backend="triton"), rows), (gemm.with_(backend="dequant"), [1])):
+            for m in ms:
+                way.linear(torch.zeros(m, k, dtype=torch.bfloat16, device=device), q, s, (128, 128))
     torch.cuda.synchronize(device)
 
 

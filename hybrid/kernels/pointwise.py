@@ -10,9 +10,14 @@ Same arithmetic as the torch forms (FP32 inside, the same roundings to the activ
 rotation's products may round differently in the last FP32 bit (summation order, fused multiply-add), so results
 can differ from the torch forms by one unit in the last place of the output dtype, rarely.
 
+Whether they run is a `Fused` decision handed to the calls (the model's modules hold one, set where they are placed):
+the kernels where they compiled (`warm_up` says), on a GPU, for at least `min_rows` tokens.
+
 Legend: T rows (tokens), D features, H heads, N non-rotary and R rotary head dims, B batch, S sequence.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -25,12 +30,20 @@ except ImportError:  # CPU-only installs
     triton = None
 
 MIN_ROWS = 1024  # below this many tokens (decode, short prompts) the torch forms run: the saving is a launch or two
-enabled = True  # False once the kernels failed to compile (warm_up)
 
 
-def _fused(x: torch.Tensor, rows: int) -> bool:
-    return (enabled and triton is not None and x.is_cuda and rows >= MIN_ROWS
-            and x.dtype in (torch.bfloat16, torch.float32) and not torch.cuda.is_current_stream_capturing())
+@dataclass(frozen=True)
+class Fused:
+    """Whether the one-pass kernels may run (False: they failed to compile, see warm_up), and from how many rows."""
+    enabled: bool = True
+    min_rows: int = MIN_ROWS
+
+    def applies(self, x: torch.Tensor, rows: int) -> bool:
+        return (self.enabled and triton is not None and x.is_cuda and rows >= self.min_rows
+                and x.dtype in (torch.bfloat16, torch.float32) and not torch.cuda.is_current_stream_capturing())
+
+
+FUSED = Fused()  # the kernels wherever they apply
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,11 +52,11 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight.to(x.dtype) * h.to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: Fused = FUSED) -> torch.Tensor:
     """weight · x / rms(x) over the last dim, FP32 inside, in x's dtype."""
     D = x.shape[-1]
     rows = x.numel() // D if D else 0
-    if not (_fused(x, rows) and x.is_contiguous() and D <= 16384):
+    if not (fused.applies(x, rows) and x.is_contiguous() and D <= 16384):
         return rms_norm_reference(x, weight, eps)
     out = torch.empty_like(x)
     block = triton.next_power_of_2(D)
@@ -66,10 +79,10 @@ def rotate_reference(x_BSHR: torch.Tensor, cos_BSP: torch.Tensor, sin_BSP: torch
     return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x_BSHR.dtype)
 
 
-def rotate_(x_BSHR: torch.Tensor, cos_BSP: torch.Tensor, sin_BSP: torch.Tensor) -> None:
+def rotate_(x_BSHR: torch.Tensor, cos_BSP: torch.Tensor, sin_BSP: torch.Tensor, fused: Fused = FUSED) -> None:
     """x rotated in place (x may be a strided view, e.g. the rotary part of each query head)."""
     B, S, H, R = x_BSHR.shape
-    if not (_fused(x_BSHR, B * S) and x_BSHR.stride(-1) == 1 and R % 2 == 0):
+    if not (fused.applies(x_BSHR, B * S) and x_BSHR.stride(-1) == 1 and R % 2 == 0):
         x_BSHR.copy_(rotate_reference(x_BSHR, cos_BSP, sin_BSP))
         return
     cos, sin = (t.expand(B, S, R // 2).contiguous() for t in (cos_BSP, sin_BSP))  # one row per token, as indexed
@@ -83,11 +96,11 @@ def expand_keys_reference(k_nope_BTHN: torch.Tensor, pe_BTR: torch.Tensor) -> to
     return torch.cat([k_nope_BTHN, pe_BTR[:, :, None, :].expand(-1, -1, H, -1)], dim=-1)
 
 
-def expand_keys(k_nope_BTHN: torch.Tensor, pe_BTR: torch.Tensor) -> torch.Tensor:
+def expand_keys(k_nope_BTHN: torch.Tensor, pe_BTR: torch.Tensor, fused: Fused = FUSED) -> torch.Tensor:
     """Keys per head [B, T, H, N + R]: each head's non-rotary part, then the rotary part all heads share."""
     B, T, H, N = k_nope_BTHN.shape
     R = pe_BTR.shape[-1]
-    if not (_fused(k_nope_BTHN, B * T) and k_nope_BTHN.stride(-1) == 1 and pe_BTR.stride(-1) == 1
+    if not (fused.applies(k_nope_BTHN, B * T) and k_nope_BTHN.stride(-1) == 1 and pe_BTR.stride(-1) == 1
             and pe_BTR.dtype == k_nope_BTHN.dtype):
         return expand_keys_reference(k_nope_BTHN, pe_BTR)
     out = torch.empty(B, T, H, N + R, dtype=k_nope_BTHN.dtype, device=k_nope_BTHN.device)
@@ -98,12 +111,13 @@ def expand_keys(k_nope_BTHN: torch.Tensor, pe_BTR: torch.Tensor) -> torch.Tensor
     return out
 
 
-def warm_up(a, device, dtype: torch.dtype = torch.bfloat16) -> None:
+def warm_up(a, device, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Compile the kernels for this model's shapes now, so that a first long prompt does not pay Triton's
-    compilation (seconds) in its time to first token; where they fail, the torch forms run from now on."""
-    global enabled
-    if triton is not None and torch.device(device).type == "cuda":
-        enabled = compiled("RMSNorm, RoPE and key expansion", lambda: _warm_up(a, device, dtype))
+    compilation (seconds) in its time to first token. Whether they compiled and ran (False, having warned, where
+    they failed; False too where they cannot run: no GPU or no Triton) — `Fused(enabled=...)`."""
+    if triton is None or torch.device(device).type != "cuda":
+        return False
+    return compiled("RMSNorm, RoPE and key expansion", lambda: _warm_up(a, device, dtype))
 
 
 def _warm_up(a, device, dtype: torch.dtype) -> None:

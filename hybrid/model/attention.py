@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.kernels.pointwise import expand_keys
+from hybrid.kernels.pointwise import FUSED, Fused, expand_keys
 from hybrid.model.args import ModelArgs
 from hybrid.model.kv_cache import LatentCache
 from hybrid.model.layers import Linear, RMSNorm
@@ -19,9 +19,9 @@ from hybrid.model.rope import apply_rope, apply_rope_
 
 
 class MLA(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, fused: Fused = FUSED):
         super().__init__()
-        self.args = args
+        self.args, self.fused = args, fused  # RoPE on the query and the key expansion (its norms hold their own)
         a, blk = args, args.fp8_block
         h = a.num_attention_heads
         if a.q_lora_rank:
@@ -46,7 +46,7 @@ class MLA(nn.Module):
         B, S, _ = x_BSD.shape
         q_BSHK = self._query(x_BSD).view(B, S, a.num_attention_heads, a.qk_head_dim)
         q_nope_BSHN, q_pe_BSHR = q_BSHK.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
-        apply_rope_(q_pe_BSHR, pos_BS, a.rope)  # rotated in place: q_BSHK is the whole query
+        apply_rope_(q_pe_BSHR, pos_BS, a.rope, self.fused)  # rotated in place: q_BSHK is the whole query
 
         kv_c_BSC, k_pe_BSR = self.kv_a_proj_with_mqa(x_BSD).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         kv_c_BSC = self.kv_a_layernorm(kv_c_BSC)
@@ -88,7 +88,7 @@ class MLA(nn.Module):
         a = self.args
         kv_BTHX = torch.einsum("btc,hxc->bthx", kv_BTC, w_HXC)
         k_nope_BTHN, v_BTHV = kv_BTHX.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
-        k_BTHK = expand_keys(k_nope_BTHN, pe_BTR)
+        k_BTHK = expand_keys(k_nope_BTHN, pe_BTR, self.fused)
         causal = visible_BST is None
         o_BHSV = F.scaled_dot_product_attention(q_BSHK.transpose(1, 2), k_BTHK.transpose(1, 2),
                                                 v_BTHV.transpose(1, 2), attn_mask=None if causal else

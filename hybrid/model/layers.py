@@ -1,4 +1,7 @@
-"""Basic layers: RMSNorm, a Linear over stored weights (FP8 with block scales, or BF16), the gated MLP."""
+"""Basic layers: RMSNorm, a Linear over stored weights (FP8 with block scales, or BF16), the gated MLP.
+
+How they compute on a given device (`fused` kernels, the FP8 `gemm`) is theirs from construction: device-agnostic
+defaults, which a placement pass (hybrid/engine/placement.py) replaces with the chosen ones."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.kernels.fp8_linear import stored_linear
-from hybrid.kernels.pointwise import rms_norm
+from hybrid.kernels.fp8_linear import DEFAULT_GEMM, Fp8Gemm, stored_linear
+from hybrid.kernels.pointwise import FUSED, Fused, rms_norm
 from hybrid.weights import fp8
 
 
@@ -17,21 +20,22 @@ def _frozen(shape, dtype) -> nn.Parameter:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, fused: Fused = FUSED):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused = eps, fused
         self.weight = _frozen((dim,), torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.fused)
 
 
 class Linear(nn.Module):
     """y = x W^T with W as the checkpoint stores it: FP8 E4M3 + `weight_scale_inv` per block, or BF16."""
 
-    def __init__(self, in_features: int, out_features: int, block: Optional[tuple[int, int]]):
+    def __init__(self, in_features: int, out_features: int, block: Optional[tuple[int, int]],
+                 gemm: Fp8Gemm = DEFAULT_GEMM):
         super().__init__()
-        self.in_features, self.out_features, self.block = in_features, out_features, block
+        self.in_features, self.out_features, self.block, self.gemm = in_features, out_features, block, gemm
         shape = (out_features, in_features)
         self.weight = _frozen(shape, fp8.FP8 if block else torch.bfloat16)
         if block:
@@ -43,7 +47,7 @@ class Linear(nn.Module):
         return fp8.dequantize(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return stored_linear(x, self.weight, getattr(self, "weight_scale_inv", None), self.block)
+        return stored_linear(x, self.weight, getattr(self, "weight_scale_inv", None), self.block, self.gemm)
 
 
 class MLP(nn.Module):

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from hybrid.kernels.pointwise import rope_angles, rotate_, rotate_reference
+from hybrid.kernels.pointwise import FUSED, Fused, rope_angles, rotate_, rotate_reference
 from hybrid.model.args import RopeArgs
 
 
@@ -46,7 +46,7 @@ def apply_rope(x: torch.Tensor, pos_BS: torch.Tensor, rope: RopeArgs) -> torch.T
     return rotate_reference(x, cos, sin)
 
 
-def apply_rope_(x: torch.Tensor, pos_BS: torch.Tensor, rope: RopeArgs) -> None:
+def apply_rope_(x: torch.Tensor, pos_BS: torch.Tensor, rope: RopeArgs, fused: Fused = FUSED) -> None:
     """apply_rope in place (x may be a view: the rotary part of each query head)."""
     cos, sin = rope_angles(pos_BS, cached_inv_freq(rope, x.shape[-1], x.device))
-    rotate_(x, cos, sin)
+    rotate_(x, cos, sin, fused)

@@ -115,9 +115,15 @@ def overwritten_before_off(log: list[tuple[str, int, object]]) -> list[tuple[int
     return bad
 
 
-def auto_ring_len(n_experts: int, slot_bytes: int, budget_bytes: float) -> int:
-    """As deep as the budget allows, up to a layer's experts. A deep ring lets the loader stream ahead through all
-    the work that needs no routed expert (attention, dense layers, router) — compute-bound long prompts gain the most
-    (H200, 32K tokens: 16 slots 0.48 s, 256 slots 0.36 s). The caller's budget is what the prompt's activations
-    leave, so longer prompts get shallower rings, down to ping-pong when memory is tight."""
-    return max(1, min(n_experts, int(budget_bytes // slot_bytes)))
+def expert_tensors(expert: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """One expert's tensors in slot order: gate and up weights side by side (one GEMM can read them as one [2I, D]
+    matrix), then their scales, then down's weight and scale."""
+    names = ["gate_proj.weight", "up_proj.weight", "gate_proj.weight_scale_inv", "up_proj.weight_scale_inv",
+             "down_proj.weight", "down_proj.weight_scale_inv"]
+    out = []
+    for name in names:
+        proj, attr = name.split(".")
+        t = getattr(getattr(expert, proj), attr, None)
+        if t is not None:
+            out.append((name, t))
+    return out

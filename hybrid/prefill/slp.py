@@ -12,6 +12,9 @@ Three threads, each with its own CUDA stream on a GPU:
 The attention, router and shared experts are already resident (hybrid placement); only routed experts stream.
 On the CPU the same code runs with no streams (CI covers the ordering, events, ring reuse and budget).
 
+A `StreamLoader`, one per engine, runs the prefills (`streaming`): it keeps the last one's ring for the next,
+remembers where grouped GEMMs failed, and holds the kernels' configuration (the FP8 GEMM, the combine's Triton pass).
+
 Legend: T tokens, D hidden, K experts per token.
 """
 from __future__ import annotations
@@ -22,18 +25,29 @@ import sys
 import threading
 import time
 import warnings
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.engine.placement import CpuExperts, expert_tensors
 from hybrid.model.moe import Done, MoE
 from hybrid.prefill.events import PairedEvent
-from hybrid.prefill.ring import Ring, layout
+from hybrid.prefill.ring import Ring, expert_tensors, layout
 from hybrid.kernels.combine import combine
-from hybrid.kernels.fp8_linear import dequantize, stored_linear
+from hybrid.kernels.fp8_linear import DEFAULT_GEMM, Fp8Gemm, dequantize, stored_linear
+
+
+@runtime_checkable
+class HostExpertLayer(Protocol):
+    """A MoE layer's routed experts as placement leaves them (hybrid/engine/placement.py CpuExperts): the experts'
+    host weights, the pinned arena holding them slot by slot (or None), its slot size, the GPU-resident hot experts
+    (or None)."""
+    host_experts: nn.ModuleList
+    arena: Optional[torch.Tensor]
+    slot_bytes: int
+    hot: Optional[nn.Module]
+
 
 # The loader and unloader need the GIL for a moment per expert while the model thread launches kernels; at
 # Python's default 5 ms switch interval a hand-off can wait longer than an expert's copy takes (~0.8 ms).
@@ -44,10 +58,14 @@ AUTO_GROUP = 16
 
 
 class Pipeline:
-    """The loader and unloader threads around a ring, for one prefill over `layers` (their host experts)."""
+    """The loader and unloader threads around a ring, for one prefill over `layers` (their host experts). The ring
+    comes from `loader` (a new StreamLoader when none is given) and goes back to it at the end; the streamed
+    experts' FP8 weights go through `gemm` (the loader's when None)."""
 
-    def __init__(self, layers: list[CpuExperts], device: torch.device, ring_len: int, budget_bytes: float,
-                 group: int = 1):
+    def __init__(self, layers: list[HostExpertLayer], device: torch.device, ring_len: int, budget_bytes: float,
+                 group: int = 1, loader: Optional["StreamLoader"] = None, gemm: Optional[Fp8Gemm] = None):
+        self.loader = loader if loader is not None else StreamLoader()
+        self.gemm = gemm if gemm is not None else self.loader.gemm
         self.layers, self.device, self.group = layers, device, max(1, group)
         self.group_sizes: list[int] = []  # experts per step of the model thread, in order
         # the model thread in the expert loops (after each layer's counts arrived): wall seconds, and its own CPU
@@ -58,7 +76,7 @@ class Pipeline:
         self.block = layers[0].host_experts[0].gate_proj.block
         first = layers[0].host_experts[0]
         fields, slot_bytes = layout(expert_tensors(first))
-        self.ring = _ring(ring_len, fields, slot_bytes, device, budget_bytes)
+        self.ring = self.loader.take_ring(ring_len, fields, slot_bytes, device, budget_bytes)
         # gate and up read as one [2I, D] matrix when they (and their scales) lie back to back in the slot
         self.inter, self.hidden = first.gate_proj.out_features, first.down_proj.out_features
         gate, up = fields["gate_proj.weight"], fields["up_proj.weight"]
@@ -180,7 +198,7 @@ class Pipeline:
     def linear(self, slot: int, proj: str, x: torch.Tensor, rows: int = 0, out=None) -> torch.Tensor:
         """x through the projection `proj` of the expert in `slot` (FP8: hybrid/kernels/fp8_linear.py)."""
         w, s = self._stored(slot, proj, rows)
-        return stored_linear(x, w, s, self.block, out=out)
+        return stored_linear(x, w, s, self.block, self.gemm, out=out)
 
     def _dequantize(self, slot: int, proj: str, out: torch.Tensor, rows: int = 0) -> None:
         w, s = self._stored(slot, proj, rows)
@@ -233,28 +251,78 @@ class Pipeline:
             t.join()
         if self.device.type == "cuda":  # the model's last reads of the ring have run: the next prefill may write
             torch.cuda.synchronize(self.device)
-        global _kept
-        _kept = self.ring
+        self.loader.keep_ring(self.ring)
 
 
-_kept: Optional[Ring] = None  # the last prefill's ring, reused by the next one of the same shape
-_NO_GROUPED_GEMM: set = set()  # (device type, dtype) where torch._grouped_mm is missing or failed: not tried again
+class StreamLoader:
+    """Runs stream-loading prefills (`streaming`), one at a time: the last one's ring is kept for the next one of
+    the same shape, and where a grouped GEMM failed it is not tried again. `gemm`: the streamed experts' FP8 GEMM;
+    `fused_combine`: their outputs summed by the Triton pass on a GPU (False where it failed to compile)."""
 
+    def __init__(self, gemm: Fp8Gemm = DEFAULT_GEMM, fused_combine: bool = True):
+        self.gemm, self.fused_combine = gemm, fused_combine
+        self.kept: Optional[Ring] = None  # the last prefill's ring
+        self.no_grouped_gemm: set = set()  # (device type, dtype) where torch._grouped_mm is missing or failed
 
-def kept_ring_bytes(device: torch.device) -> int:
-    """Device memory the kept ring holds: the next prefill gets it back (reused or let go), so budgets count it
-    as free."""
-    ring = _kept
-    return ring.memory.numel() if ring is not None and torch.device(ring.device) == torch.device(device) else 0
+    def kept_ring_bytes(self, device: torch.device) -> int:
+        """Device memory the kept ring holds: the next prefill gets it back (reused or let go), so budgets count it
+        as free."""
+        ring = self.kept
+        return ring.memory.numel() if ring is not None and torch.device(ring.device) == torch.device(device) else 0
 
+    def take_ring(self, ring_len: int, fields, slot_bytes: int, device: torch.device, budget_bytes: float) -> Ring:
+        """The ring for a prefill: the kept one when it has the same shape (its memory and slot views made once),
+        else a new one (the kept one is let go first, so both are never held)."""
+        ring, self.kept = self.kept, None
+        if (ring is not None and ring.fits(ring_len, fields, slot_bytes, device)
+                and ring_len * slot_bytes <= budget_bytes):
+            ring.reset()
+            return ring
+        del ring
+        return Ring(ring_len, fields, slot_bytes, device, budget_bytes)
 
-def grouped_gemm_applies(x: torch.Tensor) -> bool:
-    """Whether experts can go in groups for activations like x (see grouped_gemm_missing); says why, once, when
-    not."""
-    if (x.device.type, x.dtype) in _NO_GROUPED_GEMM:
+    def keep_ring(self, ring: Ring) -> None:
+        """A prefill's ring, once the device is done with it: the next prefill's."""
+        self.kept = ring
+
+    def grouped_gemm_applies(self, x: torch.Tensor) -> bool:
+        """Whether experts can go in groups for activations like x (see grouped_gemm_missing); says why, once, when
+        not."""
+        if (x.device.type, x.dtype) in self.no_grouped_gemm:
+            return False
+        why = grouped_gemm_missing(x.device, x.dtype)
+        return True if why is None else self.grouped_gemm_failed(x, why)
+
+    def grouped_gemm_failed(self, x: torch.Tensor, why: str) -> bool:
+        """No grouped GEMM for activations like x from now on, with a warning; False."""
+        self.no_grouped_gemm.add((x.device.type, x.dtype))
+        warnings.warn(f"stream-loading prefill: no grouped GEMM for {x.dtype} on {x.device.type} ({why}); "
+                      "policy.slp_group_experts falls back to one expert at a time", stacklevel=3)
         return False
-    why = grouped_gemm_missing(x.device, x.dtype)
-    return True if why is None else _no_grouped_gemm(x, why)
+
+    @contextlib.contextmanager
+    def streaming(self, model: nn.Module, device: torch.device, ring_len: int, budget_bytes: float,
+                  group: int = 1, gemm: Optional[Fp8Gemm] = None) -> Iterator[Pipeline]:
+        """Within the block, the model's routed experts stream through the device (the model must have been placed
+        with experts on the CPU kernels); up to `group` experts already on the device are computed together;
+        `gemm` for this prefill instead of the loader's (benchmarks)."""
+        moes = [m for m in model.modules() if isinstance(m, MoE) and isinstance(m.experts, HostExpertLayer)]
+        if not moes:
+            raise ValueError("stream-loading prefill needs the routed experts placed on the CPU kernels")
+        saved = [m.experts for m in moes]
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        try:
+            with Pipeline(saved, device, ring_len, budget_bytes, group, self, gemm) as pipe:
+                try:
+                    for i, m in enumerate(moes):
+                        m.experts = StreamedExperts(pipe, i)
+                    yield pipe
+                finally:
+                    for m, experts in zip(moes, saved):
+                        m.experts = experts
+        finally:
+            sys.setswitchinterval(switch)
 
 
 def grouped_gemm_missing(device: torch.device, dtype: torch.dtype) -> Optional[str]:
@@ -279,32 +347,12 @@ def group_size(setting: str, device: torch.device, dtype: torch.dtype) -> int:
     return AUTO_GROUP if grouped_gemm_missing(device, dtype) is None else 1
 
 
-def _no_grouped_gemm(x: torch.Tensor, why: str) -> bool:
-    _NO_GROUPED_GEMM.add((x.device.type, x.dtype))
-    warnings.warn(f"stream-loading prefill: no grouped GEMM for {x.dtype} on {x.device.type} ({why}); "
-                  "policy.slp_group_experts falls back to one expert at a time", stacklevel=3)
-    return False
-
-
-def _ring(ring_len: int, fields, slot_bytes: int, device: torch.device, budget_bytes: float) -> Ring:
-    """The ring for a prefill: the previous one when it has the same shape (its memory and slot views made once),
-    else a new one (the old one is let go first, so both are never held)."""
-    global _kept
-    ring, _kept = _kept, None
-    if ring is not None and ring.fits(ring_len, fields, slot_bytes, device) and ring_len * slot_bytes <= budget_bytes:
-        ring.reset()
-        return ring
-    del ring
-    return Ring(ring_len, fields, slot_bytes, device, budget_bytes)
-
-
 class StreamedExperts(nn.Module):
     """RoutedExperts' interface for one MoE layer during SLP: every expert comes through the pipeline in turn."""
 
     def __init__(self, pipeline: Pipeline, layer: int):
         super().__init__()
-        object.__setattr__(self, "pipeline", pipeline)
-        self.layer = layer
+        self.pipeline, self.layer = pipeline, layer
 
     def start(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> Done:
         p, k = self.pipeline, ids_TK.shape[1]
@@ -327,14 +375,14 @@ class StreamedExperts(nn.Module):
             ns = counts[e:e + len(slots)]
             live = [n > 0 for n in ns]
             end = start + sum(ns)
-            grouped = sum(live) > 1 and grouped_gemm_applies(x_RD)
+            grouped = sum(live) > 1 and p.loader.grouped_gemm_applies(x_RD)
             if grouped:
                 try:
                     p.grouped(slots, counts_dev[e:e + len(slots)], live, x_RD[start:end], y_RD[start:end])
                 except torch.cuda.OutOfMemoryError:
                     raise
                 except (RuntimeError, NotImplementedError) as err:
-                    _no_grouped_gemm(x_RD, str(err))
+                    p.loader.grouped_gemm_failed(x_RD, str(err))
                     grouped = False
             if not grouped:
                 at = start
@@ -350,31 +398,7 @@ class StreamedExperts(nn.Module):
         p.expert_loop_cpu_s += time.thread_time() - cpu0
         row_R = torch.empty_like(order)  # where each (token, pick) landed among the rows
         row_R[order] = torch.arange(len(order), device=order.device)
-        return Done(combine(y_RD, row_R.view(ids_TK.shape), weights_TK, x_TD.dtype))
+        return Done(combine(y_RD, row_R.view(ids_TK.shape), weights_TK, x_TD.dtype, p.loader.fused_combine))
 
     def forward(self, x_TD, weights_TK, ids_TK) -> torch.Tensor:
         return self.start(x_TD, weights_TK, ids_TK).result()
-
-
-@contextlib.contextmanager
-def streaming(model: nn.Module, device: torch.device, ring_len: int, budget_bytes: float,
-              group: int = 1) -> Iterator[Pipeline]:
-    """Within the block, the model's routed experts stream through the device (the model must have been placed
-    with experts on the CPU kernels); up to `group` experts already on the device are computed together."""
-    moes = [m for m in model.modules() if isinstance(m, MoE) and isinstance(m.experts, CpuExperts)]
-    if not moes:
-        raise ValueError("stream-loading prefill needs the routed experts placed on the CPU kernels")
-    saved = [m.experts for m in moes]
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    try:
-        with Pipeline(saved, device, ring_len, budget_bytes, group) as pipe:
-            try:
-                for i, m in enumerate(moes):
-                    m.experts = StreamedExperts(pipe, i)
-                yield pipe
-            finally:
-                for m, experts in zip(moes, saved):
-                    m.experts = experts
-    finally:
-        sys.setswitchinterval(switch)

@@ -36,7 +36,8 @@ def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
-def _fp8_codes(rng, shape) -> torch.Tensor:
+def fp8_codes(rng: np.random.Generator, shape) -> torch.Tensor:
+    """Random valid FP8 E4M3 codes of `shape` from `rng`'s bytes (the NaN codes moved to a neighbour)."""
     codes = np.frombuffer(rng.bytes(math.prod(shape)), dtype=np.uint8).copy()
     codes[(codes & 0x7F) == 0x7F] ^= 1  # 0x7F / 0xFF are NaN: use the neighbouring code
     return torch.from_numpy(codes).view(fp8.FP8).reshape(shape)
@@ -54,7 +55,7 @@ def _make(name: str, shape: tuple, dtype: torch.dtype, weight_shapes: dict, seed
     def make() -> torch.Tensor:
         rng = _rng(seed, name)
         if dtype == fp8.FP8:
-            return _fp8_codes(rng, shape)
+            return fp8_codes(rng, shape)
         if name.endswith("weight_scale_inv"):
             k = weight_shapes[name.removesuffix("_scale_inv")][1]
             jitter = rng.lognormal(0.0, 0.3, size=shape).astype(np.float32)

@@ -2,11 +2,18 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from hybrid.bench.decode import project
+from hybrid.bench.decode import DEVICE_PARTS, HOST_PARTS, project
 from hybrid.config.compose import compose, to_settings
+from hybrid.engine.placement import CpuExperts, cpu_experts, experts_to_cpu_kernels
+from hybrid.engine.profile import StepProfile, TimedExperts
+from hybrid.engine.staging import Staging
+from hybrid.model.moe import MoE
 from hybrid.run import bench
 from hybrid.hw.detect import detect
+from hybrid.weights.checkpoint import Checkpoint
+from hybrid.weights.loader import load_model
 
 
 def test_projection_scales_moe_and_dense_layers_separately():
@@ -27,3 +34,31 @@ def test_decode_bench_records_on_the_cpu():
     assert [r["context"] for r in tpots] == [16, 48] and all(r["value"] > 0 for r in tpots)
     frac = [r for r in report["records"] if r["name"] == "decode_vs_expert_bound"]
     assert all(0 < r["value"] <= 1.5 for r in frac)
+
+
+def test_step_profile_splits_the_step_and_puts_the_experts_back(tiny_dir):
+    m = load_model(Checkpoint(tiny_dir), torch.float32, progress=False)
+    experts_to_cpu_kernels(m, staging=Staging(256, 4, stage_on_cpu=True))
+    moes = [x for x in m.modules() if isinstance(x, MoE)]
+    layers = cpu_experts(m)
+    t, pos = torch.randint(2, 320, (2, 6), generator=torch.Generator().manual_seed(0)), torch.arange(6)[None]
+    want = m(t, pos)
+    picked = []
+    hooks = [x.gate.register_forward_hook(lambda mod, args, out: picked.append(out[1].unique().numel()))
+             for x in moes]
+    profile = StepProfile(m, torch.device("cpu"))
+    assert all(isinstance(x.experts, TimedExperts) for x in moes) and cpu_experts(m) == layers
+    m(t, pos)
+    profile.reset()
+    picked.clear()
+    got = m(t, pos)
+    parts = profile.summary()
+    profile.close()
+    for h in hooks:
+        h.remove()
+    assert torch.equal(got, want) and torch.equal(m(t, pos), want)
+    assert set(parts) == set(DEVICE_PARTS + HOST_PARTS) | {"experts_read"}
+    assert parts["stage"] > 0 and parts["cpu_moe"] >= parts["wait"] >= 0 and parts["to_device"] >= 0
+    assert parts["experts_read"] == sum(picked) > 0
+    assert [x.experts for x in moes] == layers and all(type(x) is CpuExperts for x in layers)
+    assert profile.summary() == parts, "nothing counted once closed"

@@ -29,7 +29,7 @@ def test_on_a_gpu_every_way_is_timed_against_cublas():
                                           "bench.repeats=1", "bench.fp8_tiles=[128x128x64/8/3,128x128x128/8/3]"])))
     names = {(r.extra["matrix"], r.m, r.name) for r in recs}
     assert ("gate_up", 512, "triton_gemm 128x128x64/8/3") in names and ("down", 64, "dequant_triton") in names
-    assert all(r.value > 0 for r in recs) and fp8_linear.backend() == "triton"
+    assert all(r.value > 0 for r in recs)
 
 
 def test_the_grouped_way_reports_per_expert_and_skips_where_torch_has_none(monkeypatch, capsys):

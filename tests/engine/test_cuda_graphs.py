@@ -10,8 +10,8 @@ import torch
 from hybrid import _native
 from hybrid.config.compose import compose, to_settings
 from hybrid.engine.build import build
-from hybrid.engine.cuda_graphs import MIN_BUCKET, kv_bucket
-from hybrid.engine.placement import experts_to_cpu_kernels
+from hybrid.engine.cuda_graphs import MIN_BUCKET, CapturedExperts, kv_bucket
+from hybrid.engine.placement import CpuExperts, cpu_experts, experts_to_cpu_kernels, swap_experts
 from hybrid.engine.staging import Staging
 from hybrid.model.moe import MoE
 from hybrid.weights.checkpoint import Checkpoint
@@ -64,19 +64,44 @@ def test_capture_mode_hands_off_through_fixed_buffers_without_synchronising(tiny
     want = moe.experts(x, w, ids)
     syncs = staging.syncs
     staging.reserve(4)
-    staging.capture = cap = _RecordingCapture()
-    try:
-        got = moe.experts(x, w, ids)
-        with pytest.raises(RuntimeError, match="reserve"):
-            moe.experts(torch.randn(5, 256), *moe.gate(torch.randn(5, 256)))
-    finally:
-        staging.capture = None
+    captured = CapturedExperts(moe.experts, cap := _RecordingCapture())
+    got = captured(x, w, ids)
+    with pytest.raises(RuntimeError, match="reserve"):
+        captured(torch.randn(5, 256), *moe.gate(torch.randn(5, 256)))
     assert torch.equal(got, want)
     assert staging.syncs == syncs, "a captured hand-off must not synchronise"
     assert [c[0] for c in cap.calls[:2]] == ["start", "end"]
     first = cap.calls[0]
     assert first[1] == staging.to_host(x, w, ids, sync=False)[0].data_ptr()  # the fixed buffers, every time
     assert cap.jobs[0].calls == 1 and cap.jobs[0].cpu_s > 0 and not cap.jobs[0].error
+
+
+def test_capture_swaps_every_layer_for_the_capture_only(tiny_dir):
+    m = load_model(Checkpoint(tiny_dir), torch.float32, progress=False)
+    staging = Staging(256, 4, stage_on_cpu=True)
+    experts_to_cpu_kernels(m, staging=staging)
+    layers = cpu_experts(m)
+    t, pos = torch.randint(2, 320, (1, 5), generator=torch.Generator().manual_seed(0)), torch.arange(5)[None]
+    want = m(t, pos)
+    staging.reserve(8)
+    cap = _RecordingCapture()
+    wrappers, restore = swap_experts(m, lambda layer: CapturedExperts(layer, cap))
+    try:
+        syncs = staging.syncs
+        got = m(t, pos)
+    finally:
+        restore()
+    assert [w.layer for w in wrappers] == layers and torch.equal(got, want)
+    assert [c[0] for c in cap.calls] == ["start", "end"] * len(layers) and staging.syncs == syncs
+    assert all(type(x.experts) is CpuExperts for x in m.modules() if isinstance(x, MoE))
+    assert torch.equal(m(t, pos), want) and staging.syncs == syncs + len(layers), "eager again"
+
+
+def test_deferred_experts_are_not_captured(tiny_dir):
+    m = load_model(Checkpoint(tiny_dir), torch.float32, progress=False)
+    experts_to_cpu_kernels(m, deferred_experts=1)
+    with pytest.raises(ValueError, match="deferred_experts=0"):
+        CapturedExperts(cpu_experts(m)[0], _RecordingCapture())
 
 
 def test_host_job_reports_a_bad_call_instead_of_crashing(tiny_dir):

@@ -2,8 +2,6 @@
 CPU stand-in, with the staged hand-off forced on; the engine's refusal without a GPU."""
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 import torch
 
@@ -11,7 +9,8 @@ from hybrid.config.compose import compose, to_settings
 from hybrid.engine.build import build
 from hybrid.engine.generate import Generator
 from hybrid.engine.hot_experts import HotExperts
-from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels
+from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, hot_experts_to_device
+from hybrid.engine.profile import TimedExperts
 from hybrid.engine.staging import Staging
 from hybrid.errors import ConfigError
 from hybrid.model.moe import MoE
@@ -25,12 +24,11 @@ ATOL, RTOL = 0.03, 0.02  # BF16 activations into the CPU kernels vs the resident
 def _model(tiny_dir, n_hot: int = 0):
     m = load_model(Checkpoint(tiny_dir), torch.float32, progress=False)
     experts_to_cpu_kernels(m, staging=Staging(256, 4, stage_on_cpu=True))
-    hot = []
-    for layer in cpu_experts(m):
-        if n_hot:
-            layer.attach_hot(HotExperts(layer.host_experts, n_hot, CPU))
-            hot.append(layer.hot)
-            assert "hot" not in dict(layer.named_children())
+    hot = hot_experts_to_device(m, n_hot, CPU) if n_hot else []
+    assert [layer.hot for layer in cpu_experts(m)] == (hot or [None, None])
+    for layer, h in zip(cpu_experts(m), hot):  # out of the module tree: no checkpoint weights, not moved with it
+        assert h.host_experts is layer.host_experts and not list(layer.children()) and not list(h.children())
+        assert not set(map(id, h.buffers())) & set(map(id, m.buffers()))
     return m, hot
 
 
@@ -64,11 +62,11 @@ def test_resident_experts_take_their_share_off_the_cpu_and_the_sum_is_unchanged(
     resident = layer.hot.refresh()
     picked = int(torch.isin(ids, torch.tensor(resident)).sum())
     assert picked > 0
-    layer.timings = defaultdict(float)
-    got = layer(x, w, ids)
+    timed = TimedExperts(layer)
+    got = timed(x, w, ids)
     cpu_ids = layer.hot.route(w, ids)[1]
     assert int((cpu_ids == -1).sum()) == picked, "resident picks reach the CPU op as -1 (skip)"
-    assert layer.experts_read == len(set(ids.flatten().tolist()) - set(resident))
+    assert timed.experts_read == len(set(ids.flatten().tolist()) - set(resident))
     assert torch.allclose(got, want, atol=ATOL, rtol=RTOL)
 
 

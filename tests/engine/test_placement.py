@@ -7,10 +7,12 @@ import torch
 from hybrid.config.compose import compose, to_settings
 from hybrid.engine.build import build, check_kv_cache, compute_device
 from hybrid.engine.generate import Generator
-from hybrid.engine.placement import CpuExperts, cpu_experts, experts_to_cpu_kernels, place
+from hybrid.engine.placement import (VARIANTS, CpuExperts, DeferredCpuExperts, ExpertsWrapper, cpu_experts,
+                                     experts_to_cpu_kernels, place, swap_experts)
 from hybrid.engine.staging import Staging
 from hybrid.errors import ConfigError
 from hybrid.model.moe import MoE
+from hybrid.prefill.slp import HostExpertLayer
 from hybrid.weights.checkpoint import Checkpoint
 from hybrid.weights.loader import load_model
 
@@ -39,6 +41,26 @@ def test_routed_experts_stay_on_the_host_out_of_the_module_tree(tiny_dir):
     assert before == [p.data_ptr() for layer in layers for p in layer.host_experts.parameters()]
 
 
+def test_place_gives_the_modules_it_places_the_chosen_gemm_and_fused_kernels(tiny_dir):
+    from hybrid.kernels.fp8_linear import DEFAULT_GEMM, Fp8Gemm
+    from hybrid.kernels.pointwise import FUSED, Fused
+    from hybrid.model.attention import MLA
+    from hybrid.model.layers import Linear, RMSNorm
+
+    m = _model(tiny_dir)
+    t, pos = _tokens(7), torch.arange(7)[None]
+    want = m(t, pos)
+    linears = [x for x in m.modules() if isinstance(x, Linear)]
+    fusing = [x for x in m.modules() if isinstance(x, (RMSNorm, MLA))]
+    assert linears and fusing and {x.gemm for x in linears} == {DEFAULT_GEMM} and {x.fused for x in fusing} == {FUSED}
+    gemm, fused = Fp8Gemm("dequant", 64), Fused(enabled=False)
+    place(m, torch.device("cpu"), "fp8", gemm, fused)
+    assert all(x.gemm is gemm for x in linears) and all(x.fused is fused for x in fusing)
+    routed = [x for layer in cpu_experts(m) for x in layer.host_experts.modules() if isinstance(x, Linear)]
+    assert routed and all(x.gemm is DEFAULT_GEMM for x in routed), "the routed experts are not placed"
+    assert torch.equal(m(t, pos), want), "on the CPU both take the torch forms"
+
+
 def test_staged_hand_off_matches_and_syncs_once_per_moe_layer(tiny_dir):
     staging = Staging(256, 4, stage_on_cpu=True)
     staged, direct = _model(tiny_dir, staging=staging), _model(tiny_dir)
@@ -63,6 +85,46 @@ def test_async_start_overlaps_the_callers_work(tiny_dir):
     want = moe.experts.host_experts(x, w, ids)  # the torch definition over the same weights
     assert torch.allclose(got, want, atol=NATIVE_ATOL, rtol=NATIVE_RTOL)
     assert torch.equal(shared, moe.shared_experts(x))
+
+
+def test_the_variant_is_chosen_at_placement(tiny_dir):
+    assert VARIANTS == {"eager": CpuExperts, "deferred": DeferredCpuExperts}
+    assert [type(layer) for layer in cpu_experts(_model(tiny_dir))] == [CpuExperts, CpuExperts]
+    layers = cpu_experts(_model(tiny_dir, deferred_experts=1))
+    assert [type(layer) for layer in layers] == [DeferredCpuExperts, DeferredCpuExperts]
+    assert layers[0].deferral is layers[1].deferral and [layer.last for layer in layers] == [False, True]
+    with pytest.raises(ValueError, match="deferred_experts=0"):
+        layers[0].with_hot(None)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        _model(tiny_dir, deferred_experts=-1)
+
+
+class _Through(ExpertsWrapper):
+    def start(self, x_TD, weights_TK, ids_TK):
+        return self.layer.start(x_TD, weights_TK, ids_TK)
+
+
+def test_swapped_in_wrappers_read_through_and_are_put_back(tiny_dir):
+    m = _model(tiny_dir)
+    moes = [x for x in m.modules() if isinstance(x, MoE)]
+    layers = cpu_experts(m)
+    t, pos = _tokens(5), torch.arange(5)[None]
+    want = m(t, pos)
+    wrappers, restore = swap_experts(m, _Through)
+    assert [x.experts for x in moes] == wrappers and cpu_experts(m) == layers
+    assert all(isinstance(w, HostExpertLayer) and w.host_experts is layer.host_experts
+               for w, layer in zip(wrappers, layers)), "stream-loading prefill reads the layer through"
+    assert torch.equal(m(t, pos), want)
+    restore()
+    assert [x.experts for x in moes] == layers
+
+    def refuse_the_second(layer):
+        if layer is layers[1]:
+            raise ValueError("no")
+        return _Through(layer)
+    with pytest.raises(ValueError, match="no"):
+        swap_experts(m, refuse_the_second)
+    assert [x.experts for x in moes] == layers, "all or none"
 
 
 def _reference_deferral(model, deferred: int):

@@ -37,7 +37,7 @@ def rng_for(*key) -> np.random.Generator:
 
 
 def fp8_codes(rng: np.random.Generator, shape, codes=None) -> torch.Tensor:
-    """Random valid E4M3 codes (as hybrid.weights.synthetic._fp8_codes: NaN codes moved to a neighbour), or codes
+    """Random valid E4M3 codes (as hybrid.weights.synthetic.fp8_codes: NaN codes moved to a neighbour), or codes
     drawn from `codes` only."""
     if codes is None:
         c = rng.integers(0, 256, size=shape, dtype=np.uint8)

@@ -60,3 +60,5 @@ def test_triton_combine_matches_float64_and_the_torch_way(T, K, D):
     out32 = cb.combine(y, row, w, torch.float32)
     torch_way = cb.combine(y.cpu(), row.cpu(), w.cpu(), torch.float32)
     assert (out32.cpu() - torch_way).abs().max() <= 1e-5 * torch_way.abs().max()
+    unfused = cb.combine(y, row, w, torch.float32, fused=False)  # the torch way on the GPU (kernel failed)
+    assert (out32 - unfused).abs().max() <= 1e-5 * unfused.abs().max()

@@ -22,10 +22,25 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def test_cpu_takes_the_dequantising_path_and_matches_float64():
     x, q, s, ref = _case(5, 300, 260)
-    assert fl.path(x, (128, 128), 5) == "torch"
-    y = fl.fp8_linear(x, q, s, (128, 128))
+    for backend in fl.BACKENDS:
+        assert fl.Fp8Gemm(backend).path(x, (128, 128), 5) == "torch"
+    y = fl.DEFAULT_GEMM.linear(x, q, s, (128, 128))
     assert y.shape == (5, 300) and y.dtype == torch.bfloat16
     assert _rel_err(y, ref) < 1e-2  # BF16 output rounding
+
+
+def test_stored_weights_go_through_the_gemm_given():
+    x, q, s, ref = _case(3, 256, 128)
+    blocks = []
+
+    class Spy:
+        def linear(self, *args, **kwargs):
+            blocks.append(args[3])
+            return fl.DEFAULT_GEMM.linear(*args, **kwargs)
+
+    assert _rel_err(fl.stored_linear(x, q, s, (128, 128), Spy()), ref) < 1e-2 and blocks == [(128, 128)]
+    dense = fp8.dequantize(q, s, (128, 128), torch.bfloat16)
+    assert torch.equal(fl.stored_linear(x, dense, None, None, Spy()), x @ dense.t()) and len(blocks) == 1
 
 
 def test_dequantise_into_a_buffer_of_the_wrong_shape_is_refused():
@@ -42,24 +57,30 @@ def test_tiles_parse_and_pick_by_rows():
     for bad in ("128x128/8/3", "128x128x32/8/3", "96x128x128/8/3", "128x128x128/6/3", "128x128x128/8/0", "big"):
         with pytest.raises(ValueError, match="tile"):
             fl.Tile.parse(bad)
-    assert fl.tile_for(1).bm == 16 and fl.tile_for(200).bm == 64 and fl.tile_for(5000) == fl.TILES[None]
-    assert not fl.uses_large_tile(256) and fl.uses_large_tile(257)
-    default, chosen = fl.TILES[None], fl.backend()
-    with fl.overridden("dequant", fl.Tile.parse("64x256x64/4/4")):
-        assert fl.tile_for(5000) == fl.Tile(64, 256, 64, 4, 4) and fl.tile_for(200).bm == 64
-        assert fl.backend() == "dequant"
-    assert fl.TILES[None] is default and fl.backend() == chosen, "both back after the block"
-    with pytest.raises(RuntimeError, match="inside"), fl.overridden(large_tile=fl.Tile.parse("64x256x64/4/4")):
-        raise RuntimeError("inside")
-    assert fl.TILES[None] is default, "back after an error too"
+    gemm = fl.DEFAULT_GEMM
+    assert gemm.tile_for(1).bm == 16 and gemm.tile_for(200).bm == 64 and gemm.tile_for(5000) == gemm.large_tile
+    assert gemm.large_tile == fl.TILES[-1][1] and gemm.tile_for(16).bm == 16 and gemm.tile_for(17).bm == 64
+    assert not gemm.uses_large_tile(256) and gemm.uses_large_tile(257)
+    other = gemm.with_("dequant", fl.Tile.parse("64x256x64/4/4"))
+    assert other.tile_for(5000) == fl.Tile(64, 256, 64, 4, 4) and other.tile_for(200).bm == 64
+    assert other.backend == "dequant" and other.dequant_from_rows == gemm.dequant_from_rows
+    assert gemm == fl.Fp8Gemm() and gemm.backend == "triton", "a variant leaves the one it came from as it was"
+    assert gemm.with_() == gemm and other != gemm
 
 
-def test_unknown_backend_and_bad_row_threshold_are_refused():
+def test_unknown_backend_bad_row_threshold_and_unordered_tiles_are_refused():
     with pytest.raises(ValueError, match="policy.gpu_fp8_gemm"):
-        fl.set_backend("cublas")
+        fl.Fp8Gemm("cublas")
     with pytest.raises(ValueError, match="policy.gpu_fp8_dequant_rows"):
-        fl.set_backend("auto", 0)
-    assert fl.backend() == "triton"
+        fl.Fp8Gemm("auto", 0)
+    with pytest.raises(ValueError, match="policy.gpu_fp8_gemm"):
+        fl.DEFAULT_GEMM.with_(backend="cublas")
+    tile = fl.Tile.parse("64x128x128/4/3")
+    for tiles in ((), ((16, tile),), ((256, tile), (16, tile), (None, tile)),
+                  ((16, tile), (None, tile), (None, tile))):
+        with pytest.raises(ValueError, match="tiles"):
+            fl.Fp8Gemm(tiles=tiles)
+    assert fl.Fp8Gemm(tiles=((None, tile),)).tile_for(1) == tile
 
 
 def test_auto_takes_the_fp8_gemm_for_few_rows_and_dequantises_for_many(monkeypatch):
@@ -67,24 +88,19 @@ def test_auto_takes_the_fp8_gemm_for_few_rows_and_dequantises_for_many(monkeypat
         is_cuda, dtype = True, torch.bfloat16
 
     monkeypatch.setattr(fl, "triton", fl.triton or object())  # the choice as made where Triton is installed
-    try:
-        fl.set_backend("auto", 512)
-        assert [fl.path(Cuda, (128, 128), m) for m in (1, 511, 512, 9000)] == ["triton"] * 2 + ["dequant"] * 2
-        assert fl.path(Cuda, (64, 64), 1) == "torch"
-        fl.set_backend("triton")
-        assert fl.path(Cuda, (128, 128), 9000) == "triton"
-        fl.set_backend("dequant")
-        assert fl.path(Cuda, (128, 128), 1) == "dequant"
-    finally:
-        fl.set_backend("triton", 512)
+    auto = fl.Fp8Gemm("auto", 512)
+    assert [auto.path(Cuda, (128, 128), m) for m in (1, 511, 512, 9000)] == ["triton"] * 2 + ["dequant"] * 2
+    assert auto.path(Cuda, (64, 64), 1) == "torch"
+    assert fl.Fp8Gemm("triton").path(Cuda, (128, 128), 9000) == "triton"
+    assert fl.Fp8Gemm("dequant").path(Cuda, (128, 128), 1) == "dequant"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or fl.triton is None, reason="needs CUDA and Triton")
 @pytest.mark.parametrize("tile", ["128x128x64/8/3", "128x256x64/8/3", "64x128x128/4/4"])
 def test_other_large_row_tiles_compute_the_same(tile):
     x, q, s, ref = _case(700, 128 * 3 + 5, 128 * 4 + 70, "cuda")
-    with fl.overridden(large_tile=fl.Tile.parse(tile)):
-        assert _rel_err(fl.fp8_linear(x, q, s, (128, 128)), ref) < 5e-3
+    gemm = fl.DEFAULT_GEMM.with_(large_tile=fl.Tile.parse(tile))
+    assert _rel_err(gemm.linear(x, q, s, (128, 128)), ref) < 5e-3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or fl.triton is None, reason="needs CUDA and Triton")
@@ -92,18 +108,15 @@ def test_other_large_row_tiles_compute_the_same(tile):
                                    (3, 128 * 3 + 5, 128 * 2 + 70)])
 def test_triton_gemm_matches_float64_and_the_dequantising_path(m, n, k):
     x, q, s, ref = _case(m, n, k, "cuda")
-    fl.set_backend("triton")
-    try:
-        assert fl.path(x, (128, 128), m) == "triton"
-        y = fl.fp8_linear(x[None], q, s, (128, 128))[0]  # leading dims kept
-        assert _rel_err(y, ref) < 5e-3
-        fl.set_backend("dequant")
-        assert fl.path(x, (128, 128), m) == "dequant"
-        assert _rel_err(fl.fp8_linear(x, q, s, (128, 128)), ref) < 1e-2
-        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        assert fl.fp8_linear(x, q, s, (128, 128), out=out) is out and _rel_err(out, ref) < 1e-2
-    finally:
-        fl.set_backend("triton")
+    gemm = fl.Fp8Gemm("triton")
+    assert gemm.path(x, (128, 128), m) == "triton"
+    y = gemm.linear(x[None], q, s, (128, 128))[0]  # leading dims kept
+    assert _rel_err(y, ref) < 5e-3
+    gemm = fl.Fp8Gemm("dequant")
+    assert gemm.path(x, (128, 128), m) == "dequant"
+    assert _rel_err(gemm.linear(x, q, s, (128, 128)), ref) < 1e-2
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert gemm.linear(x, q, s, (128, 128), out=out) is out and _rel_err(out, ref) < 1e-2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or fl.triton is None, reason="needs CUDA and Triton")

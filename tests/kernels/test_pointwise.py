@@ -52,21 +52,37 @@ def test_keys_expanded_per_head():
         assert torch.equal(k[:, :, h, :8], kv[:, :, h, :8]) and torch.equal(k[:, :, h, 8:], pe)
 
 
-def test_each_asks_the_gate_with_its_row_count_and_takes_the_torch_form_when_refused(monkeypatch):
+def test_each_asks_the_gate_it_is_given_with_its_row_count_and_takes_the_torch_form_when_refused():
     asked = []
-    monkeypatch.setattr(pw, "_fused", lambda x, rows: asked.append(rows) or False)
+
+    class Refusing:
+        def applies(self, x, rows):
+            asked.append(rows)
+            return False
+
+    gate = Refusing()
     x, w = torch.randn(3, 4, 16), torch.ones(16)
-    assert torch.equal(pw.rms_norm(x, w, 1e-6), pw.rms_norm_reference(x, w, 1e-6))
+    assert torch.equal(pw.rms_norm(x, w, 1e-6, gate), pw.rms_norm_reference(x, w, 1e-6))
     q, cos, sin = torch.randn(3, 4, 2, 6), torch.rand(3, 4, 3), torch.rand(3, 4, 3)
     want = pw.rotate_reference(q, cos, sin)
-    pw.rotate_(q, cos, sin)
+    pw.rotate_(q, cos, sin, gate)
     assert torch.equal(q, want)
-    pw.expand_keys(torch.randn(3, 4, 2, 5), torch.randn(3, 4, 2))
+    pw.expand_keys(torch.randn(3, 4, 2, 5), torch.randn(3, 4, 2), gate)
     assert asked == [12, 12, 12]  # rows = tokens, whatever the heads
 
 
-def test_the_gate_needs_a_gpu():
-    assert not pw._fused(torch.randn(2048, 8), 2048)  # on the CPU the torch forms run, whatever the size
+def test_the_gate_needs_a_gpu_enough_rows_and_the_kernels_on(monkeypatch):
+    x = torch.randn(2048, 8)
+    assert not pw.FUSED.applies(x, 2048)  # on the CPU the torch forms run, whatever the size
+
+    class Cuda:  # what the gate reads of a CUDA activation
+        is_cuda, dtype = True, torch.bfloat16
+
+    monkeypatch.setattr(pw, "triton", pw.triton or object())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert pw.FUSED.applies(Cuda, pw.MIN_ROWS) and not pw.FUSED.applies(Cuda, pw.MIN_ROWS - 1)
+    assert not pw.Fused(enabled=False).applies(Cuda, 10 * pw.MIN_ROWS)
+    assert pw.Fused(min_rows=8).applies(Cuda, 8)
 
 
 def test_kernels_that_fail_to_compile_leave_the_torch_forms_with_a_warning():
@@ -78,18 +94,25 @@ def test_kernels_that_fail_to_compile_leave_the_torch_forms_with_a_warning():
     assert compiled("x", lambda: None) is True
 
 
-def test_warm_up_off_a_gpu_does_nothing():
+def test_warm_up_off_a_gpu_compiles_nothing_and_says_so():
     a = ModelArgs.from_hf_config(DEEPSEEK_V3)
-    pw.warm_up(a, "cpu")
-    combine.warm_up(8, 7168, "cpu")
-    assert pw.enabled and combine.enabled
+    assert pw.warm_up(a, "cpu") is False and combine.warm_up(8, 7168, "cpu") is False
+
+
+def test_warm_up_that_fails_says_so(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(pw, "triton", pw.triton or object())
+    monkeypatch.setattr(pw, "_warm_up", broken)
+    with pytest.warns(UserWarning, match="torch forms run instead"):
+        assert pw.warm_up(ModelArgs.from_hf_config(DEEPSEEK_V3), "cuda") is False
 
 
 @GPU
-def test_warm_up_compiles_for_the_model_and_keeps_the_kernels_on():
-    pw.warm_up(ModelArgs.from_hf_config(DEEPSEEK_V3), "cuda")
-    combine.warm_up(8, 7168, "cuda")
-    assert pw.enabled and combine.enabled
+def test_warm_up_compiles_for_the_model_and_says_the_kernels_can_run():
+    assert pw.warm_up(ModelArgs.from_hf_config(DEEPSEEK_V3), "cuda") is True
+    assert combine.warm_up(8, 7168, "cuda") is True
 
 
 @GPU

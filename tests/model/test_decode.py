@@ -1,12 +1,20 @@
 """Cached decoding against full recomputation, and several sequences at once, each at its own position."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from hybrid.engine.generate import Generator
-from hybrid.engine.sampler import Sampler, Sampling
+from hybrid.engine.engine import Engine
+from hybrid.engine.plan import Plan
+from hybrid.engine.requests import RequestError, SamplingParams
+from hybrid.engine.sampler import Sampler, choose
 
 ATOL = 1e-4
+
+
+def _generate(m, prompts, n: int, slots: int = 1, context: int = 64, ignore_eos: bool = True) -> list[list[int]]:
+    engine = Engine(m, Plan(max_batch=slots, max_context=context, batch_cap=slots))
+    return [c.output_ids for c in engine.generate(prompts, SamplingParams(n, ignore_eos=ignore_eos))]
 
 
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:
@@ -16,10 +24,10 @@ def _prompt(n: int, seed: int, vocab: int) -> list[int]:
 def test_cached_decode_equals_full_recomputation(tiny_model):
     m = tiny_model
     prompt = _prompt(9, 0, m.args.vocab_size)
-    res = Generator(m, max_batch=2, max_context=64).generate([prompt], 16)
-    seq = torch.tensor([prompt + res.output_ids[0]])
+    out = _generate(m, [prompt], 16, slots=2)[0]
+    seq = torch.tensor([prompt + out])
     full = m(seq, torch.arange(seq.shape[1])[None])[0]
-    assert full[len(prompt) - 1:-1].argmax(-1).tolist() == res.output_ids[0]
+    assert full[len(prompt) - 1:-1].argmax(-1).tolist() == out
 
     cache = m.new_cache(1, 64)
     slot = torch.tensor([0])
@@ -33,8 +41,8 @@ def test_cached_decode_equals_full_recomputation(tiny_model):
 def test_batched_sequences_at_their_own_positions(tiny_model):
     m = tiny_model
     prompts = [_prompt(n, n, m.args.vocab_size) for n in (3, 11, 7)]
-    together = Generator(m, max_batch=4, max_context=64).generate(prompts, 12).output_ids
-    alone = [Generator(m, max_batch=1, max_context=64).generate([p], 12).output_ids[0] for p in prompts]
+    together = _generate(m, prompts, 12, slots=4)
+    alone = [_generate(m, [p], 12)[0] for p in prompts]
     assert together == alone
 
 
@@ -51,31 +59,26 @@ def test_prefill_in_chunks_equals_one_pass(tiny_model):
 def test_generation_stops_at_eos_and_respects_limits(tiny_model):
     m = tiny_model
     prompt = _prompt(5, 1, m.args.vocab_size)
-    first = Generator(m, 1, 64).generate([prompt], 4).output_ids[0]
-    stopped = Generator(m, 1, 64, eos_id=first[1]).generate([prompt], 4).output_ids[0]
-    assert stopped == first[:2]
-    gen = Generator(m, 1, 16)
-    for bad, msg in (([prompt] * 2, "KV-cache slots"), ([[]], "empty"), ([[m.args.vocab_size]], "out of range")):
-        try:
-            gen.generate(bad, 4)
-        except ValueError as e:
-            assert msg in str(e)
-        else:
-            raise AssertionError(f"{bad} accepted")
-    try:
-        gen.generate([prompt], 12)
-    except ValueError as e:
-        assert "policy.max_context" in str(e)
-    else:
-        raise AssertionError("over-long request accepted")
+    first = _generate(m, [prompt], 4)[0]
+    engine = Engine(m, Plan(max_batch=1, max_context=16, batch_cap=1))
+    engine.eos_id = first[1]
+    stopped = engine.generate([prompt], SamplingParams(4))[0]
+    assert stopped.output_ids == first[:2] and stopped.finish_reason.value == "stop"
+    for bad, msg in (([], "empty"), ([m.args.vocab_size], "out of range")):
+        with pytest.raises(RequestError, match=msg):
+            engine.add_request(bad, SamplingParams(4))
+    with pytest.raises(RequestError, match="policy.max_context"):
+        engine.add_request(prompt, SamplingParams(12))
 
 
 def test_sampler_greedy_topk_topp():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
-    assert Sampler(Sampling())(logits).tolist() == [1]
-    top1 = Sampler(Sampling(temperature=1.0, top_k=1, seed=3))
-    assert {top1(logits).item() for _ in range(20)} == {1}
-    nucleus = Sampler(Sampling(temperature=1.0, top_p=0.7, seed=3))
-    assert {nucleus(logits).item() for _ in range(50)} == {1, 3}
-    free = Sampler(Sampling(temperature=5.0, seed=3))
-    assert len({free(logits).item() for _ in range(200)}) == 4
+    assert choose(logits, [Sampler(SamplingParams())]) == [1]
+    top1 = Sampler(SamplingParams(temperature=1.0, top_k=1, seed=3))
+    assert {top1.sample(logits[0]) for _ in range(20)} == {1}
+    nucleus = Sampler(SamplingParams(temperature=1.0, top_p=0.7, seed=3))
+    assert {nucleus.sample(logits[0]) for _ in range(50)} == {1, 3}
+    free = Sampler(SamplingParams(temperature=5.0, seed=3))
+    assert len({free.sample(logits[0]) for _ in range(200)}) == 4
+    same = [Sampler(SamplingParams(temperature=5.0, seed=11)) for _ in range(2)]
+    assert [same[0].sample(logits[0]) for _ in range(30)] == [same[1].sample(logits[0]) for _ in range(30)]

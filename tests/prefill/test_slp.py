@@ -1,19 +1,23 @@
 """Stream-loading prefill on the CPU stand-in device: same logits as the plain forward, sound ring reuse, budget."""
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 
 import pytest
 import torch
 
-from hybrid.engine.generate import Generator
+from hybrid.engine.engine import Engine
+from hybrid.engine.memory import auto_ring_len
+from hybrid.engine.plan import Plan
+from hybrid.engine.requests import SamplingParams
 from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, pin_experts
 from hybrid.errors import ConfigError
 from hybrid.model.moe import MoE
-from hybrid.prefill.ring import auto_ring_len, overwritten_before_off
+from hybrid.prefill.ring import overwritten_before_off
 from hybrid.prefill import slp
-from hybrid.prefill.slp import Pipeline, StreamedExperts, streaming
+from hybrid.prefill.slp import Pipeline, StreamedExperts, StreamLoader
 from hybrid.weights.checkpoint import Checkpoint
 from hybrid.weights.loader import load_model
 from hybrid.weights.synthetic import write_checkpoint
@@ -28,6 +32,11 @@ def _models(tiny_dir):
     hybrid = load_model(Checkpoint(tiny_dir), torch.float32, progress=False)
     experts_to_cpu_kernels(hybrid)
     return plain, hybrid
+
+
+def streaming(model, device, ring_len, budget, group=1):
+    """One prefill by a loader of its own (no ring kept from before)."""
+    return StreamLoader().streaming(model, device, ring_len, budget, group)
 
 
 @pytest.mark.parametrize("group", [1, 8])
@@ -51,29 +60,34 @@ def test_a_ring_of_the_same_shape_is_reused_by_the_next_prefill(tiny_dir):
     plain, hybrid = _models(tiny_dir)
     tokens, pos = torch.randint(2, 320, (1, 24), generator=torch.Generator().manual_seed(5)), torch.arange(24)[None]
     want = plain(tokens, pos)[0]
+    loader, other = StreamLoader(), StreamLoader()
     rings = []
     for ring_len in (3, 3, 5):
-        with streaming(hybrid, CPU, ring_len, BIG) as pipe:
+        with loader.streaming(hybrid, CPU, ring_len, BIG) as pipe:
             got = hybrid(tokens, pos)[0]
         assert (got - want).abs().max() <= 1e-5
         assert overwritten_before_off(pipe.ring.log) == [] and len(pipe.ring.log) == 2 * 2 * 16  # reset between
         rings.append(pipe.ring)
+        assert loader.kept is pipe.ring and loader.kept_ring_bytes(CPU) == pipe.ring.memory.numel()
     assert rings[0] is rings[1] and rings[2] is not rings[1] and rings[2].ring_len == 5
+    with other.streaming(hybrid, CPU, 5, BIG) as pipe:  # another loader keeps its own
+        hybrid(tokens, pos)
+    assert pipe.ring is not rings[2] and loader.kept is rings[2] and other.kept is pipe.ring
     with pytest.raises(ConfigError, match="policy.ring_len"):  # a kept ring never bypasses the budget
-        streaming(hybrid, CPU, 5, 4 * rings[2].slot_bytes).__enter__()
+        loader.streaming(hybrid, CPU, 5, 4 * rings[2].slot_bytes).__enter__()
+    assert loader.kept is None and loader.kept_ring_bytes(CPU) == 0, "let go before the new one was refused"
 
 
 def test_a_kept_ring_counts_as_free_in_the_next_prefills_budget(tiny_dir, monkeypatch):
-    from hybrid.config.compose import compose, to_settings
-    from hybrid.engine import build
+    from hybrid.engine import build, long_prefill
 
     _, hybrid = _models(tiny_dir)
     slot = build.slot_bytes(hybrid)
+    loader = StreamLoader()
     # as on a GPU, memory held (the kept ring) is not free; 5.5 slots in all, the activations left out
-    monkeypatch.setattr(build, "kv_budget_bytes", lambda s, device: 5.5 * slot - slp.kept_ring_bytes(device))
-    monkeypatch.setattr(build, "activation_bytes", lambda a, tokens: 0)
-    settings = to_settings(compose(["policy.slp_group_experts=1"]))  # no group buffer in the 5.5 slots
-    context = build.slp_context(settings, hybrid, CPU)  # ring_len auto: what the budget allows
+    monkeypatch.setattr(long_prefill, "free_bytes", lambda device, budget_gb: 5.5 * slot - loader.kept_ring_bytes(device))
+    monkeypatch.setattr(long_prefill, "ring_budget", lambda a, free, kept, group, tokens: free + kept)
+    context = long_prefill.LongPrefill(hybrid, CPU, loader, slot, group=1)  # ring_len auto: what the budget allows
     tokens, pos = torch.randint(2, 320, (1, 24)), torch.arange(24)[None]
     rings = []
     for _ in range(3):
@@ -81,6 +95,16 @@ def test_a_kept_ring_counts_as_free_in_the_next_prefills_budget(tiny_dir, monkey
             hybrid(tokens, pos)
         rings.append(pipe.ring)
     assert rings[0].ring_len == 5 and all(r is rings[0] for r in rings)
+
+
+def test_the_ring_budget_takes_the_activations_and_the_group_buffer():
+    from hybrid.engine.memory import activation_bytes, group_bytes, ring_budget
+    from hybrid.model.args import ModelArgs
+    from hybrid.weights.presets import DEEPSEEK_V3
+
+    a = ModelArgs.from_hf_config(DEEPSEEK_V3)
+    got = ring_budget(a, 50e9, 11e9, 16, 8192)
+    assert got == 50e9 + 11e9 - activation_bytes(a, 8192) - group_bytes(a, 16)
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +153,9 @@ def _layer_inputs(model, seed: int, tokens: int = 40, experts=range(16)):
     return x, torch.rand(tokens, a.num_experts_per_tok, generator=g), ids
 
 
-def _streamed_layer(hybrid, group: int, x, w, ids, device=CPU):
+def _streamed_layer(hybrid, group: int, x, w, ids, device=CPU, loader=None):
     """Layer 0's routed experts through a pipeline whose ring holds the whole layer, once all of it is loaded."""
-    with Pipeline(cpu_experts(hybrid), device, 16, BIG, group) as pipe:
+    with Pipeline(cpu_experts(hybrid), device, 16, BIG, group, loader) as pipe:
         deadline = time.monotonic() + 30
         while pipe.ready.qsize() < 16 and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -141,20 +165,20 @@ def _streamed_layer(hybrid, group: int, x, w, ids, device=CPU):
 
 
 def test_a_streamed_layer_counts_its_routing_for_the_hot_experts(tiny_dir):
-    from hybrid.engine.hot_experts import HotExperts
+    from hybrid.engine.placement import hot_experts_to_device
 
     _, hybrid = _models(tiny_dir)
-    layer = cpu_experts(hybrid)[0]
-    layer.attach_hot(HotExperts(layer.host_experts, 2, CPU))
+    hot = hot_experts_to_device(hybrid, 2, CPU)
     x, w, ids = _layer_inputs(hybrid, 6)
     _streamed_layer(hybrid, 1, x, w, ids)
     want = torch.bincount(ids.flatten(), minlength=16).float()
-    assert torch.equal(layer.hot.counts, want) and want.sum() == ids.numel()
+    assert torch.equal(hot[0].counts, want) and want.sum() == ids.numel()
+    assert hot[1].counts.sum() == 0, "layer 1 did not stream"
 
 
 @pytest.fixture
 def grouped_calls(monkeypatch):
-    """Counts torch._grouped_mm calls (the real one runs), with a fresh record of where it is missing."""
+    """Counts torch._grouped_mm calls (the real one runs)."""
     calls, real = [], torch._grouped_mm
 
     def counting(*args, **kwargs):
@@ -162,7 +186,6 @@ def grouped_calls(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch, "_grouped_mm", counting)
-    monkeypatch.setattr(slp, "_NO_GROUPED_GEMM", set())
     return calls
 
 
@@ -207,14 +230,17 @@ def test_where_the_grouped_gemm_fails_the_experts_go_one_at_a_time(tiny_dir, mon
         raise RuntimeError("grouped gemm is not supported on this device")
 
     monkeypatch.setattr(torch, "_grouped_mm", unsupported)
+    loader = StreamLoader()
     with pytest.warns(UserWarning, match="slp_group_experts"):
-        got, pipe = _streamed_layer(hybrid, 8, x, w, ids)
+        got, pipe = _streamed_layer(hybrid, 8, x, w, ids, loader=loader)
     assert (got - ref(x, w, ids)).abs().max() <= 1e-5
-    assert slp._NO_GROUPED_GEMM == {("cpu", torch.float32)}
+    assert loader.no_grouped_gemm == {("cpu", torch.float32)}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # remembered: no second attempt, no second warning
-        again, _ = _streamed_layer(hybrid, 8, x, w, ids)
+        again, _ = _streamed_layer(hybrid, 8, x, w, ids, loader=loader)
     assert torch.equal(again, got)
+    with pytest.warns(UserWarning, match="slp_group_experts"):  # another loader (engine) tries for itself
+        _streamed_layer(hybrid, 8, x, w, ids, loader=StreamLoader())
 
 
 def test_an_old_torch_without_a_grouped_gemm_is_told_apart_and_out_of_memory_is_not_swallowed(
@@ -223,16 +249,16 @@ def test_an_old_torch_without_a_grouped_gemm_is_told_apart_and_out_of_memory_is_
     x, w, ids = _layer_inputs(hybrid, 5)
     monkeypatch.delattr(torch, "_grouped_mm")
     with pytest.warns(UserWarning, match=r"needs >= 2\.8"):
-        assert not slp.grouped_gemm_applies(x)
-    monkeypatch.setattr(slp, "_NO_GROUPED_GEMM", set())
+        assert not StreamLoader().grouped_gemm_applies(x)
 
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(torch, "_grouped_mm", out_of_memory, raising=False)
+    loader = StreamLoader()
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        _streamed_layer(hybrid, 8, x, w, ids)
-    assert slp._NO_GROUPED_GEMM == set()
+        _streamed_layer(hybrid, 8, x, w, ids, loader=loader)
+    assert loader.no_grouped_gemm == set()
 
 
 def test_no_slot_is_overwritten_before_off_even_when_the_model_is_slow(tiny_dir, monkeypatch):
@@ -252,12 +278,28 @@ def test_no_slot_is_overwritten_before_off_even_when_the_model_is_slow(tiny_dir,
     assert overwritten_before_off([("write", 0, "a"), ("write", 0, "b")]) == [(0, "a")]
 
 
-def test_experts_are_restored_after_streaming(tiny_dir):
+def test_experts_and_the_switch_interval_are_restored_after_streaming(tiny_dir):
     _, hybrid = _models(tiny_dir)
     before = [m.experts for m in hybrid.modules() if hasattr(m, "experts")]
+    switch = sys.getswitchinterval()
     with streaming(hybrid, CPU, 2, BIG):
         assert all(isinstance(m.experts, StreamedExperts) for m in hybrid.modules() if hasattr(m, "experts"))
+        assert sys.getswitchinterval() == pytest.approx(slp.SWITCH_INTERVAL_S)
     assert before == [m.experts for m in hybrid.modules() if hasattr(m, "experts")]
+    assert sys.getswitchinterval() == switch
+
+
+def test_the_streamed_experts_multiply_through_the_loaders_gemm_or_the_one_asked_for(tiny_dir):
+    from hybrid.kernels.fp8_linear import Fp8Gemm
+
+    _, hybrid = _models(tiny_dir)
+    loader = StreamLoader(Fp8Gemm("dequant"), fused_combine=False)
+    with loader.streaming(hybrid, CPU, 2, BIG) as pipe:
+        assert pipe.gemm is loader.gemm and pipe.loader is loader
+    auto = Fp8Gemm("auto", 64)
+    with loader.streaming(hybrid, CPU, 2, BIG, gemm=auto) as pipe:
+        assert pipe.gemm is auto
+    assert loader.gemm == Fp8Gemm("dequant")
 
 
 def test_budget_too_small_for_the_ring_names_the_knob(tiny_dir):
@@ -268,29 +310,38 @@ def test_budget_too_small_for_the_ring_names_the_knob(tiny_dir):
 
 
 def _recording(hybrid, calls: list):
-    """long_prefill for the generator: streams through a 2-slot ring and records each chunk's length."""
-    def long_prefill(tokens):
+    """long_prefill for the engine: streams through a 2-slot ring and records each chunk's length."""
+    def long_prefill(tokens, **_):
         calls.append(tokens)
         return streaming(hybrid, CPU, 2, BIG)
     return long_prefill
 
 
-def _same_cache(a: Generator, b: Generator, n: int) -> None:
+def _engine(model, long_prefill=None, cutoff: int = 0, chunk: int = 0) -> Engine:
+    return Engine(model, Plan(max_batch=1, max_context=64, batch_cap=1, slp_cutoff_tokens=cutoff,
+                              slp_chunk_tokens=chunk), long_prefill=long_prefill)
+
+
+def _first(engine: Engine, prompt, n: int = 1) -> list[int]:
+    return engine.generate([prompt], SamplingParams(n, ignore_eos=True))[0].output_ids
+
+
+def _same_cache(a: Engine, b: Engine, n: int) -> None:
     for mine, theirs in zip(a.cache.layers, b.cache.layers):  # what decode will read
         assert (mine.kv[0, :n] - theirs.kv[0, :n]).abs().max() <= 1e-5
         assert (mine.pe[0, :n] - theirs.pe[0, :n]).abs().max() <= 1e-5
 
 
-def test_generator_uses_slp_above_the_cutoff_and_writes_the_kv_cache(tiny_dir):
+def test_engine_uses_slp_above_the_cutoff_and_writes_the_kv_cache(tiny_dir):
     plain, hybrid = _models(tiny_dir)
     used = []
     prompt = list(range(2, 30))
-    ref = Generator(plain, 1, 64)
-    want = ref.generate([prompt], 1).output_ids
-    slp = Generator(hybrid, 1, 64, long_prefill=_recording(hybrid, used), cutoff=16)
-    assert slp.generate([prompt], 1).output_ids == want and used == [len(prompt)]
+    ref = _engine(plain)
+    want = _first(ref, prompt)
+    slp = _engine(hybrid, _recording(hybrid, used), cutoff=16)
+    assert _first(slp, prompt) == want and used == [len(prompt)]
     _same_cache(slp, ref, len(prompt))
-    Generator(hybrid, 1, 64, long_prefill=_recording(hybrid, used), cutoff=64).generate([prompt], 2)
+    _first(_engine(hybrid, _recording(hybrid, used), cutoff=64), prompt, 2)
     assert used == [len(prompt)], "prompts at or under the cutoff take the CPU path"
 
 
@@ -343,10 +394,10 @@ def test_chunked_slp_prefill_equals_one_pass(tiny_dir):
     plain, hybrid = _models(tiny_dir)
     chunks = []
     prompt = list(range(2, 45))
-    ref = Generator(plain, 1, 64)
-    want = ref.generate([prompt], 1).output_ids
-    slp = Generator(hybrid, 1, 64, long_prefill=_recording(hybrid, chunks), cutoff=16, chunk=16)
-    assert slp.generate([prompt], 1).output_ids == want
+    ref = _engine(plain)
+    want = _first(ref, prompt)
+    slp = _engine(hybrid, _recording(hybrid, chunks), cutoff=16, chunk=16)
+    assert _first(slp, prompt) == want
     assert chunks == [16, 16, 11], "the experts stream once per chunk"
     _same_cache(slp, ref, len(prompt))
 
@@ -363,7 +414,7 @@ def test_auto_groups_where_a_grouped_gemm_applies_and_quietly_goes_one_at_a_time
 
 
 def test_the_group_buffer_is_counted_in_the_budget():
-    from hybrid.engine.build import group_bytes
+    from hybrid.engine.memory import group_bytes
     from hybrid.model.args import ModelArgs
     from hybrid.weights.presets import DEEPSEEK_V3
 
@@ -372,7 +423,7 @@ def test_the_group_buffer_is_counted_in_the_budget():
 
 
 def test_auto_chunk_fits_the_budget():
-    from hybrid.engine.build import activation_bytes, auto_chunk
+    from hybrid.engine.memory import activation_bytes, auto_chunk
     from hybrid.model.args import ModelArgs
     from hybrid.weights.presets import DEEPSEEK_V3
 

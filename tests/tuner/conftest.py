@@ -12,11 +12,15 @@ import pytest
 
 from hybrid.config.compose import CONF_DIR
 from tests.conftest import model_spec
+from tests.tuner.faulty_bench import FAULT_ENV, MODULE
 
 # Small trials: the tiny model, a short prompt, few tokens, one pass, no read-roof probe (a trial takes ~3-4 s,
 # mostly interpreter start-up).
 FAST = ["+hw=cpu_only", "model=tiny", "bench.prompt_tokens=16", "bench.new_tokens=4", "bench.repeats=1",
         "bench.roof_gb=0"]
+# Trials through tests/tuner/faulty_bench.py: a fault injected where HYBRID_TEST_INJECT_FAULT says, else the bench.
+FAULTY = f"tuner.trial_module={MODULE}"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def ensure_tiny(runs: Path) -> None:
@@ -41,8 +45,9 @@ def conf(tmp_path) -> Path:
 
 
 def env_for(conf: Path, runs: Path, **extra: str) -> dict[str, str]:
-    env = {**os.environ, "HYBRID_CONF_DIR": str(conf), "HYBRID_RUNS_DIR": str(runs)}
-    env.pop("HYBRID_TEST_INJECT_FAULT", None)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # tests/ importable
+    env = {**os.environ, "HYBRID_CONF_DIR": str(conf), "HYBRID_RUNS_DIR": str(runs), "PYTHONPATH": path}
+    env.pop(FAULT_ENV, None)
     env.update(extra)
     return env
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from tests.tuner.conftest import FAST, alive, ensure_tiny, env_for, load, tune
+from tests.tuner.conftest import FAST, FAULTY, alive, ensure_tiny, env_for, load, tune
 
 
 def test_crash_and_deadline_fail_the_trial_not_the_sweep(conf, mlflow_runs, tmp_path):
@@ -15,7 +15,7 @@ def test_crash_and_deadline_fail_the_trial_not_the_sweep(conf, mlflow_runs, tmp_
     env = env_for(conf, mlflow_runs, HYBRID_TRACKING="1", HYBRID_TEST_INJECT_FAULT="0:crash,1:hang")
     # the deadline leaves a normal trial (python start-up, tiny model, MLflow logging: ~8 s here) ample margin on a
     # loaded machine; the hung trial is killed when it passes
-    p = tune(*FAST, "tuner.n_trials=3", f"tuner.storage={storage}", "tuner.study_name=failures",
+    p = tune(*FAST, FAULTY, "tuner.n_trials=3", f"tuner.storage={storage}", "tuner.study_name=failures",
              "tuner.trial_timeout_s=25", "tracking.experiment=test-failures", "bench.roof_gb=0.05", env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     trials = load(storage, "failures").get_trials()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 
-from tests.tuner.conftest import FAST, alive, env_for, load, start_tuner, tune
+from tests.tuner.conftest import FAST, FAULTY, alive, env_for, load, start_tuner, tune
 
 
 def test_killed_tuner_resumes_without_losing_trials(conf, tuner_runs, tmp_path):
     storage = f"sqlite:///{tmp_path / 'study.db'}"
-    args = [*FAST, "tuner.n_trials=2", f"tuner.storage={storage}", "tuner.study_name=resume", "tuner.heartbeat_s=1",
-            "tuner.grace_s=2", "tuner.trial_timeout_s=120", "tuner.write_policy=false"]
+    args = [*FAST, FAULTY, "tuner.n_trials=2", f"tuner.storage={storage}", "tuner.study_name=resume",
+            "tuner.heartbeat_s=1", "tuner.grace_s=2", "tuner.trial_timeout_s=120", "tuner.write_policy=false"]
     out = tmp_path / "first.log"
     proc = start_tuner(*args, env=env_for(conf, tuner_runs, HYBRID_TEST_INJECT_FAULT="1:hang"), out=out)
     try:

@@ -103,6 +103,15 @@ def test_trials_get_the_users_overrides_but_not_the_tuners():
     assert cmd[1:6] == ["-m", "hybrid", "mode=bench", "bench=slo", "output=json"] and cmd[-1] == "policy.cpu_threads=2"
 
 
+def test_trial_module_is_configurable_and_checked(tune_cfg):
+    assert tune_cfg().tuner.trial_module == "hybrid"
+    cfg = tune_cfg("tuner.trial_module=tests.tuner.faulty_bench")
+    cmd = trial.command([], {}, cfg.tuner.trial_module)
+    assert cmd[1:4] == ["-m", "tests.tuner.faulty_bench", "mode=bench"]
+    with pytest.raises(Exception, match="tuner.trial_module must be a module name"):
+        tune_cfg("tuner.trial_module='hybrid; rm'")
+
+
 # ---------------------------------------------------------------------------------------------------- selection
 
 def test_pareto_front_and_knee():

@@ -1,0 +1,91 @@
+"""SIGTERM on a server run by serve() in its own process: new requests get 503 at once, a request in flight that
+can finish within shutdown_grace_s does, one that cannot is aborted at the end of the grace (an error event in its
+stream), and the process exits with status 0."""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.serve.conftest import MODEL
+
+ROOT = Path(__file__).resolve().parents[2]
+GRACE_S = 2.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stream(url: str, max_tokens: int, got: dict, started: threading.Event) -> None:
+    """Streams a completion, recording the text, finish_reason and any error event."""
+    body = {"model": MODEL, "prompt": "drain", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    got.update(text="", finish=None, error=None, done=False)
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            started.set()
+            if line == "data: [DONE]":
+                got["done"] = True
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                got["error"] = chunk["error"]
+            else:
+                got["text"] += chunk["choices"][0]["text"]
+                got["finish"] = chunk["choices"][0]["finish_reason"] or got["finish"]
+
+
+def test_sigterm_finishes_what_it_can_aborts_the_rest_and_exits_0(tiny_dir, tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "tests.serve.serve_tiny", str(tiny_dir), str(port), str(GRACE_S)],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < end, "the server did not become ready"
+            time.sleep(0.1)
+        short, long = {}, {}
+        started = [threading.Event(), threading.Event()]
+        threads = [threading.Thread(target=_stream, args=(url, 6, short, started[0])),
+                   threading.Thread(target=_stream, args=(url, 100, long, started[1]))]  # 100 steps >= 5 s
+        for t in threads:
+            t.start()
+        assert all(e.wait(30) for e in started)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_draining"
+        h = httpx.get(f"{url}/health")
+        assert h.status_code == 503 and h.json()["status"] == "draining"
+        for t in threads:
+            t.join(30)
+        assert short["finish"] == "length" and short["error"] is None and short["done"], short
+        assert long["error"] is not None and "shutting down" in long["error"]["message"] and long["done"], long
+        assert proc.wait(30) == 0, (tmp_path / "server.log").read_text()
+        assert GRACE_S - 0.5 < time.monotonic() - t0 < GRACE_S + 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
