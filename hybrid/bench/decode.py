@@ -22,7 +22,7 @@ from hybrid.bench import bounds
 from hybrid.bench.gpu_profile import gpu_times
 from hybrid.bench.records import Record
 from hybrid.engine.build import build, graphs_apply
-from hybrid.engine.profile import StepProfile
+from hybrid.engine.profile import HOST_PARTS, StepProfile
 from hybrid.errors import ConfigError
 from hybrid.kernels.membw import calibrate, read_roof
 from hybrid.weights.presets import DEEPSEEK_V3
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 FULL_DENSE_LAYERS = DEEPSEEK_V3["first_k_dense_replace"]  # the full model projected to: 61 layers, 3 dense
 FULL_MOE_LAYERS = DEEPSEEK_V3["num_hidden_layers"] - FULL_DENSE_LAYERS
 DEVICE_PARTS = ("attention", "router", "shared_experts", "dense_mlp")
-HOST_PARTS = ("stage", "cpu_moe", "wait", "to_device")
 
 
 def _timed(engine, cfg, ctx: int, step, on_warm=None, steps: int = 0) -> list[float]:

@@ -9,6 +9,7 @@ import torch
 
 from hybrid import _native
 from hybrid.config.compose import compose, to_settings
+from hybrid.engine.requests import SamplingParams
 from hybrid.engine.build import build
 from hybrid.engine.cuda_graphs import MIN_BUCKET, CapturedExperts, kv_bucket
 from hybrid.engine.placement import CpuExperts, cpu_experts, experts_to_cpu_kernels, swap_experts
@@ -128,12 +129,31 @@ def test_graphed_decode_matches_eager(mode):
         s = to_settings(compose(["+hw=h200_xeon16", "policy.adapt_to_hardware=true", "model.dtype=float32",
                                  f"policy.cuda_graphs={graphs}", "policy.max_batch=2", "policy.batch_cap=2"]))
         engine = build(s, s.hw, progress=False)
-        assert (engine.generator.decode_step is None) == (graphs == "off")
+        assert (engine.parts["graphs"] is None) == (graphs == "off") and engine.plan.cuda_graphs == graphs
         prompts = [list(range(2, 40)), list(range(50, 61))]  # two sequences, then one after the other ends
-        out = engine.generator.generate(prompts, 300).output_ids  # crosses KV buckets 256 -> 512 unless EOS
+        out = [c.output_ids for c in engine.generate(prompts, SamplingParams(300))]  # KV buckets 256 -> 512
         outputs.append(out)
         if graphs != "off":
             last_kv = max(len(p) + len(o) for p, o in zip(prompts, out)) - 1  # the last token fed back
-            buckets = {k[1] for k in engine.generator.decode_step.graphs}
+            buckets = {k[1] for k in engine.parts["graphs"].graphs}
             assert min(buckets) == MIN_BUCKET and max(buckets) == kv_bucket(last_kv, s.policy.max_context)
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_decode_serves_a_changing_set_of_slots_with_solo_tokens():
+    """Requests arriving mid-decode and finishing at different steps, under graphs: each request's greedy tokens
+    equal its tokens alone through the same engine configuration."""
+    from tests.engine.test_serving import _drive, _greedy
+
+    overrides = ["+hw=h200_xeon16", "policy.adapt_to_hardware=true", "model.dtype=float32",
+                 "policy.cuda_graphs=hostfn", "policy.max_batch=3", "policy.batch_cap=3", "policy.max_context=512"]
+    s = to_settings(compose(overrides))
+    engine = build(s, s.hw, progress=False)
+    v = engine.model.args.vocab_size
+    prompts = [torch.randint(2, v, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 17, 5)]
+    arrivals = {0: [(prompts[0], _greedy(40))], 4: [(prompts[1], _greedy(12))], 9: [(prompts[2], _greedy(30))]}
+    got = _drive(engine, arrivals)
+    for prompt, params, tokens, _ in got.values():
+        alone = engine.generate([prompt], params)[0].output_ids
+        assert tokens == alone

@@ -2,12 +2,17 @@
 CPU stand-in, with the staged hand-off forced on; the engine's refusal without a GPU."""
 from __future__ import annotations
 
+import contextlib
+from dataclasses import replace
+
 import pytest
 import torch
 
 from hybrid.config.compose import compose, to_settings
 from hybrid.engine.build import build
-from hybrid.engine.generate import Generator
+from hybrid.engine.engine import Engine
+from hybrid.engine.plan import Plan
+from hybrid.engine.requests import SamplingParams
 from hybrid.engine.hot_experts import HotExperts
 from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, hot_experts_to_device
 from hybrid.engine.profile import TimedExperts
@@ -73,13 +78,15 @@ def test_resident_experts_take_their_share_off_the_cpu_and_the_sum_is_unchanged(
 def test_greedy_decode_with_resident_experts_follows_the_all_cpu_engine(tiny_dir):
     prompt = torch.randint(2, 320, (24,), generator=torch.Generator().manual_seed(3)).tolist()
     plain, _ = _model(tiny_dir)
-    want = Generator(plain, 1, 64).generate([prompt], 12)
+    plan, params = Plan(max_batch=1, max_context=64, batch_cap=1), SamplingParams(12, ignore_eos=True)
+    want = Engine(plain, plan).generate([prompt], params)[0].output_ids
     m, hot = _model(tiny_dir, n_hot=4)
-    gen = Generator(m, 1, 64)
-    gen.after_prefill = lambda: [h.refresh() for h in hot]
-    got = gen.generate([prompt], 12)
+    # cutoff 0: every prompt takes the (stand-in) stream-loading path, after which the hottest experts move in
+    engine = Engine(m, replace(plan, slp_cutoff_tokens=0), long_prefill=lambda tokens, **_: contextlib.nullcontext(),
+                    after_long_prefill=lambda: [h.refresh() for h in hot])
+    got = engine.generate([prompt], params)[0].output_ids
     assert all(-1 not in h.resident for h in hot), "filled after the prefill"
-    assert got.output_ids[0][:4] == want.output_ids[0][:4]  # the first tokens agree (numerics differ slightly)
+    assert got[:4] == want[:4]  # the first tokens agree (numerics differ slightly)
     logits_a = plain(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0]
     logits_b = m(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0]
     assert torch.allclose(logits_a, logits_b, atol=ATOL, rtol=RTOL)
@@ -105,8 +112,7 @@ def test_gpu_engine_with_resident_experts_matches_without():
         s = to_settings(compose(["+hw=h200_xeon16", "policy.adapt_to_hardware=true", "model.dtype=float32",
                                  f"policy.gpu_experts_per_layer={n}"]))
         engine = build(s, s.hw, progress=False)
-        res = engine.generator.generate([list(range(2, 40))], 16)
-        outputs.append(res.output_ids)
+        outputs.append([engine.generate([list(range(2, 40))], SamplingParams(16))[0].output_ids])
         if n:
             assert all(-1 not in layer.hot.resident for layer in cpu_experts(engine.model))
     assert outputs[0][0][:4] == outputs[1][0][:4]

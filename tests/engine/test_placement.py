@@ -5,8 +5,11 @@ import pytest
 import torch
 
 from hybrid.config.compose import compose, to_settings
-from hybrid.engine.build import build, check_kv_cache, compute_device
-from hybrid.engine.generate import Generator
+from hybrid.engine.build import build, compute_device
+from hybrid.engine.engine import Engine
+from hybrid.engine.memory import check_kv_cache
+from hybrid.engine.plan import Plan
+from hybrid.engine.requests import SamplingParams
 from hybrid.engine.placement import (VARIANTS, CpuExperts, DeferredCpuExperts, ExpertsWrapper, cpu_experts,
                                      experts_to_cpu_kernels, place, swap_experts)
 from hybrid.engine.staging import Staging
@@ -61,12 +64,17 @@ def test_place_gives_the_modules_it_places_the_chosen_gemm_and_fused_kernels(tin
     assert torch.equal(m(t, pos), want), "on the CPU both take the torch forms"
 
 
+def _greedy(model, prompt, n: int) -> list[int]:
+    engine = Engine(model, Plan(max_batch=1, max_context=64, batch_cap=1))
+    return engine.generate([prompt], SamplingParams(n, ignore_eos=True))[0].output_ids
+
+
 def test_staged_hand_off_matches_and_syncs_once_per_moe_layer(tiny_dir):
     staging = Staging(256, 4, stage_on_cpu=True)
     staged, direct = _model(tiny_dir, staging=staging), _model(tiny_dir)
     prompt = _tokens(9)[0].tolist()
-    want = Generator(direct, 1, 64).generate([prompt], 8).output_ids
-    got = Generator(staged, 1, 64).generate([prompt], 8).output_ids
+    want = _greedy(direct, prompt, 8)
+    got = _greedy(staged, prompt, 8)
     assert got == want
     forwards = 1 + 7  # one prefill, then a decode step per further token
     assert staging.syncs == 2 * forwards, "one host<->device synchronisation per MoE layer and forward"
@@ -182,7 +190,8 @@ def test_cpu_only_profile_runs_on_the_cpu_and_kv_budget_is_checked():
     engine = build(s, s.hw, progress=False)
     assert isinstance(cpu_experts(engine.model)[0], CpuExperts)
     with pytest.raises(ConfigError, match=r"policy\.max_batch=8 x policy\.max_context=1000000000.*lower policy"):
-        check_kv_cache(huge, engine.model, torch.device("cpu"))
+        p = huge.policy
+        check_kv_cache(engine.model.args, engine.model.dtype, p.max_batch, p.max_context, 8e9, torch.device("cpu"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -192,5 +201,5 @@ def test_hybrid_engine_matches_cpu_only_engine():
         s = to_settings(compose([f"+hw={hw}", "policy.adapt_to_hardware=true", "model.dtype=float32"]))
         engine = build(s, s.hw, progress=False)
         assert engine.device.type == ("cpu" if hw == "cpu_only" else "cuda")
-        outputs.append(engine.generator.generate([list(range(2, 40))], 24).output_ids)
+        outputs.append(engine.generate([list(range(2, 40))], SamplingParams(24))[0].output_ids)
     assert outputs[0] == outputs[1]
