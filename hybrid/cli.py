@@ -7,7 +7,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from hybrid.config.compose import CONF_DIR
+from hybrid.config.compose import CONF_DIR, unknown_override
 from hybrid.config.schema import register
 from hybrid.errors import HybridError
 
@@ -24,4 +24,8 @@ def _task(cfg: DictConfig) -> None:
 
 def main() -> None:
     register()
+    unknown = unknown_override(sys.argv[1:])
+    if unknown:
+        print(f"error: {unknown}", file=sys.stderr)
+        sys.exit(2)
     hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)()

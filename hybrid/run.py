@@ -28,7 +28,7 @@ def run(cfg: DictConfig) -> dict:
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
     threads = cpu_threads(s.policy, hw)
-    configure_cpu(threads, s.policy.cpu_gemm_tile_tokens)  # benches without an engine run with them too
+    configure_cpu(threads, s.policy.cpu.gemm_tile_tokens)  # benches without an engine run with them too
     if s.mode == Mode.bench:
         report = bench(replace(s, hw=hw), hw.name, machine)  # the resolved profile: the bench builds the engine
     else:
@@ -40,7 +40,7 @@ def run(cfg: DictConfig) -> dict:
 def bench(s: HybridConfig, hw_name: str, machine) -> dict:
     records = run_bench(s)
     context = {"hw": hw_name, "machine": machine.summary(), "threads": thread_pool.threads(),
-               "kernel": selected(s.policy.cpu_kernel)}
+               "kernel": selected(s.policy.cpu.kernel)}
     path = save(records, RUNS_DIR / "bench", s.bench.name, context)
     png = plot_bench(s.bench.name, records, path)
     report = {"bench": s.bench.name, **context, "records": [r.as_json() for r in records], "path": str(path),

@@ -2,7 +2,7 @@
 
 Where: `tracking.uri` ("" = sqlite under runs/: runs/mlflow.db, artifacts under runs/mlartifacts/, or a server such
 as http://host:5000); one experiment per model (`hybrid-<model>`, created with an explicit artifact location).
-What: params = the resolved hw, model and policy, flattened (`policy.cpu_threads`, `hw.cpu.cores`, ...), plus the
+What: params = the resolved hw, model and policy, flattened (`policy.cpu.threads`, `hw.cpu.cores`, ...), plus the
 threads and kernel the run used; metrics = the SLO report card (TTFT, TPOT, prefill and decode tokens/s) or the
 bench's records, with achieved ÷ bound where a record has a bound; artifacts = the resolved config (config.yaml),
 the report (report.json) and plots (plots/*.png).
@@ -112,7 +112,7 @@ def params_of(s, hw, threads: int) -> dict[str, str]:
     try:
         from hybrid.kernels.dispatch import selected
 
-        params["run.kernel"] = selected(s.policy.cpu_kernel)
+        params["run.kernel"] = selected(s.policy.cpu.kernel)
     except Exception:  # noqa: BLE001 - informational only
         pass
     if s.mode.value == "bench":

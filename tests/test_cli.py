@@ -57,5 +57,10 @@ def test_adapting_warns_and_runs(runs):
 def test_bad_input_gets_one_clear_line(runs, tmp_path):
     p = hybrid(f"model.path={tmp_path}", tmp_path=runs)
     assert p.returncode == 2 and "config.json: not found" in p.stderr and "Traceback" not in p.stderr
-    p = hybrid("policy.ring_len=zero", tmp_path=runs)
-    assert p.returncode == 2 and "policy.ring_len" in p.stderr and "Traceback" not in p.stderr
+    p = hybrid("policy.prefill.ring_len=0", tmp_path=runs)
+    assert p.returncode == 2 and "policy.prefill.ring_len" in p.stderr and "Traceback" not in p.stderr
+    p = hybrid("policy.kv.max_contxt=1", tmp_path=runs)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "error: unknown config key policy.kv.max_contxt (known: max_batch, max_context)"]
+    p = hybrid("policy.max_context=128", tmp_path=runs)  # a flat key of before: its path now
+    assert p.returncode == 2 and "now policy.kv.max_context" in p.stderr and len(p.stderr.strip().splitlines()) == 1

@@ -52,7 +52,7 @@ def test_generate_run_is_tracked(mlflow_runs, tmp_path):
     (r,) = c.search_runs([exp.experiment_id])
     assert r.info.status == "FINISHED" and r.data.tags["mode"] == "generate"
     assert r.data.params["model.name"] == "tiny" and r.data.params["hw.name"] == "auto"
-    assert r.data.params["policy.cpu_gemm_tile_tokens"] == "64" and int(r.data.params["hw.cpu.cores"]) >= 1
+    assert r.data.params["policy.cpu.gemm_tile_tokens"] == "64" and int(r.data.params["hw.cpu.cores"]) >= 1
     assert {"ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s"} <= set(r.data.metrics)
     files = {a.path for a in c.list_artifacts(r.info.run_id)}
     plots = {a.path for a in c.list_artifacts(r.info.run_id, "plots")}

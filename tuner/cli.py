@@ -8,9 +8,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from hybrid.config.compose import CONF_DIR
+from hybrid.config.compose import CONF_DIR, unknown_override
 from hybrid.errors import HybridError
-from tuner.config import register
+from tuner.config import TuneConfig, register
 
 
 def _task(cfg: DictConfig) -> None:
@@ -28,4 +28,8 @@ def _task(cfg: DictConfig) -> None:
 
 def main() -> None:
     register()
+    unknown = unknown_override(sys.argv[1:], TuneConfig)
+    if unknown:
+        print(f"error: {unknown}", file=sys.stderr)
+        sys.exit(2)
     hydra.main(config_path=str(CONF_DIR), config_name="tune", version_base="1.3")(_task)()

@@ -1,9 +1,11 @@
 """The tuner's typed configuration: `conf/tune.yaml` = the engine's HybridConfig plus `tuner` (conf/tuner/)."""
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -30,10 +32,10 @@ class KnobType(Enum):
 class Knob:
     type: KnobType = KnobType.categorical
     low: Optional[float] = None  # int / float
-    high: Optional[float] = None  # int / float; cpu_threads: 0 = the machine's physical cores
+    high: Optional[float] = None  # int / float; cpu.threads: 0 = the machine's physical cores
     step: Optional[float] = None
     log: bool = False
-    choices: List[Any] = field(default_factory=list)  # categorical
+    choices: List[Any] = field(default_factory=list)  # categorical; null is a choice too (the knob's auto)
 
 
 @dataclass
@@ -45,10 +47,11 @@ class TunerConfig:
     pareto: Dict[str, Direction] = field(default_factory=lambda: {"ttft_s": Direction.minimize,
                                                                     "tpot_s": Direction.minimize})
     limits: Dict[str, float] = field(default_factory=lambda: {"ttft_s": 30.0})
-    # knob -> {type, low, high, step, log, choices}: plain dicts for Hydra (a new knob can be added on the command
-    # line: '+tuner.space.max_batch={type:int,low:1,high:8}'), checked and made Knobs below
+    # group -> knob -> {type, low, high, step, log, choices}, nested like the policy: plain dicts for Hydra (a knob
+    # can be added on the command line: '+tuner.space.kv.max_batch={type:int,low:1,high:8}'), checked below and
+    # flattened to Knobs by dotted path ("cpu.threads": the policy knob, the Optuna parameter's name)
     space: Dict[str, Any] = field(default_factory=dict)
-    enqueue: List[Dict[str, Any]] = field(default_factory=list)
+    enqueue: List[Dict[str, Any]] = field(default_factory=list)  # knob -> value, nested or by dotted path
     storage: str = ""
     study_name: str = ""
     trial_timeout_s: float = 300.0
@@ -70,17 +73,57 @@ class TunerConfig:
         if self.heartbeat_s < 1 or self.grace_s <= self.heartbeat_s:
             raise ValueError(f"tuner: need heartbeat_s >= 1 and grace_s > heartbeat_s, got {self.heartbeat_s}, "
                              f"{self.grace_s}")
-        knobs = set(PolicyConfig.__dataclass_fields__)
-        for name, spec in list(self.space.items()):
-            if name not in knobs:
-                raise ValueError(f"tuner.space.{name}: not a policy knob (known: {', '.join(sorted(knobs))})")
-            self.space[name] = knob = _knob(name, spec)
+        self.space = knobs(self.space)
+        for name, knob in self.space.items():
             if knob.type == KnobType.categorical and not knob.choices:
                 raise ValueError(f"tuner.space.{name}: categorical without choices")
             if knob.type != KnobType.categorical and (knob.low is None or knob.high is None):
                 raise ValueError(f"tuner.space.{name}: {knob.type.value} needs low and high")
         if self.objective == Objective.pareto and len(self.pareto) < 2:
             raise ValueError("tuner.pareto: a Pareto front needs two or more metrics")
+
+
+def knob_paths(schema: type = PolicyConfig, prefix: str = "") -> list[str]:
+    """Every knob of the policy by dotted path: "adapt_to_hardware", "cpu.threads", ..."""
+    out, types = [], typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(types[f.name]):
+            out += knob_paths(types[f.name], f"{prefix}{f.name}.")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def groups() -> set[str]:
+    return {path.rsplit(".", 1)[0] for path in knob_paths() if "." in path}
+
+
+def knobs(space: Mapping[str, Any], prefix: str = "") -> dict[str, Knob]:
+    """The space, nested like the policy ({cpu: {threads: {type: int, ...}}}; dotted keys work too), as
+    {"cpu.threads": Knob}; a path that is no policy knob is refused."""
+    out: dict[str, Knob] = {}
+    known = knob_paths()
+    for key, spec in space.items():
+        path = f"{prefix}{key}"
+        if path in known:
+            out[path] = _knob(path, spec)
+        elif path in groups() and isinstance(spec, Mapping):
+            out.update(knobs(spec, f"{path}."))
+        else:
+            raise ValueError(f"tuner.space.{path}: not a policy knob (known: {', '.join(known)})")
+    return out
+
+
+def flat_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Knob values nested like the policy ({cpu: {threads: 2}}) or by dotted path, as {"cpu.threads": 2}."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        path = f"{prefix}{key}"
+        if path in groups() and isinstance(value, Mapping):
+            out.update(flat_params(value, f"{path}."))
+        else:
+            out[path] = value
+    return out
 
 
 def _knob(name: str, spec: Any) -> Knob:

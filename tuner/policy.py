@@ -1,5 +1,6 @@
-"""The tuned policy as config: conf/policy/<hw>.yaml (the full PolicyConfig, checked by the schema before it is
-written), and one line in conf/hw/<hw>.yaml that makes `+hw=<hw>` select it:
+"""The tuned policy as config: conf/policy/<hw>.yaml (the full PolicyConfig, nested as conf/policy/default.yaml is,
+with its comments, checked by the schema before it is written), and one line in conf/hw/<hw>.yaml that makes
+`+hw=<hw>` select it:
 
     defaults:
       - override /policy@_global_.policy: <hw>
@@ -10,9 +11,10 @@ hw profile its package would be `hw.policy`. An explicit `policy=...` on the com
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +22,18 @@ import yaml
 from omegaconf import OmegaConf
 
 from hybrid.config.schema import PolicyConfig
+from tuner.config import flat_params
 
 OVERRIDE = "override /policy@_global_.policy"
+INDENT = "  "
 
 
 def checked(base: PolicyConfig, params: dict[str, Any]) -> PolicyConfig:
-    """base with params applied, through the schema: types (OmegaConf) and the __post_init__ checks."""
-    merged = OmegaConf.merge(OmegaConf.structured(PolicyConfig), asdict(base), params)
+    """base with params (knob path -> value, or nested) applied, through the schema: types (OmegaConf) and the
+    __post_init__ checks."""
+    merged = OmegaConf.merge(OmegaConf.structured(PolicyConfig), asdict(base))
+    for path, value in flat_params(params).items():
+        OmegaConf.update(merged, path, value, merge=False)
     return OmegaConf.to_object(merged)
 
 
@@ -34,14 +41,11 @@ def write(conf_dir: Path, hw: str, policy: PolicyConfig, header: list[str]) -> P
     path = conf_dir / "policy" / f"{hw}.yaml"
     comments = {}
     default = conf_dir / "policy" / "default.yaml"
-    if default.exists():  # carry default.yaml's comment above each knob
+    if default.exists():  # carry default.yaml's comments above each group and knob
         comments = _knob_comments(default.read_text())
     lines = [f"# {h}" if h else "#" for h in header]
     lines.append("")
-    for f in fields(PolicyConfig):
-        value = getattr(policy, f.name)
-        lines += comments.get(f.name, [])
-        lines.append(yaml.safe_dump({f.name: value}, default_flow_style=True).strip().strip("{}"))
+    lines += _lines(policy, comments)
     text = "\n".join(lines) + "\n"
     # what we wrote reads back as the same policy
     if OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PolicyConfig), yaml.safe_load(text))) != policy:
@@ -83,13 +87,34 @@ def header(study: str, trial: int, metric: str, storage: str) -> list[str]:
             "Machine-specific: re-tune on another machine. Knobs as in conf/policy/default.yaml."]
 
 
+def _lines(node: Any, comments: dict[str, list[str]], prefix: str = "") -> list[str]:
+    """The policy as YAML lines, groups nested, each key under its comments (re-indented to its depth)."""
+    out, indent = [], INDENT * prefix.count(".")
+    for f in dataclasses.fields(node):
+        value, path = getattr(node, f.name), prefix + f.name
+        out += [indent + c for c in comments.get(path, [])]
+        if dataclasses.is_dataclass(value):
+            out.append(f"{indent}{f.name}:")
+            out += _lines(value, comments, path + ".")
+        else:
+            out.append(indent + yaml.safe_dump({f.name: value}, default_flow_style=True).strip().strip("{}"))
+    return out
+
+
 def _knob_comments(text: str) -> dict[str, list[str]]:
-    out, pending = {}, []
+    """The comment lines (stripped of their indent) above each key of a policy yaml, by dotted path."""
+    out, pending, stack = {}, [], []  # stack: (indent, key) of the groups the next key may lie in
     for line in text.splitlines():
-        if line.startswith("#"):
-            pending.append(line)
-        elif re.match(r"^[a-z_]+:", line):
-            out[line.split(":")[0]] = pending
+        body = line.lstrip()
+        depth = len(line) - len(body)
+        if body.startswith("#"):
+            pending.append(body)
+        elif re.match(r"^[a-z_][a-z0-9_]*:", body):
+            while stack and stack[-1][0] >= depth:
+                stack.pop()
+            key = body.split(":")[0]
+            out[".".join([k for _, k in stack] + [key])] = pending
+            stack.append((depth, key))
             pending = []
         else:
             pending = []

@@ -1,29 +1,31 @@
-"""The search space: declared in conf/tuner/ (policy knob -> how to sample it), resolved against this machine,
-hashed into the study's version, sampled per trial, and the current policy as the warm start."""
+"""The search space: declared in conf/tuner/ (policy knob -> how to sample it, nested like the policy), resolved
+against this machine, hashed into the study's version, sampled per trial, and the current policy as the warm start.
+A knob's name here is its dotted path in the policy ("cpu.threads"): the Optuna parameter and the trial's override
+`policy.cpu.threads=...`. null (None) is a categorical choice like any other: the knob's auto."""
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict
 from typing import Any
 
 from tuner.config import KnobType, Objective, TuneConfig
 
 
 def resolve(cfg: TuneConfig, cores: int, kernels: list[str]) -> dict[str, dict[str, Any]]:
-    """Plain dicts, with the machine filled in: cpu_threads' high 0 = `cores`; cpu_kernel variants this CPU lacks
-    dropped. The result is what the study samples and what its version hashes."""
+    """Plain dicts by knob path, with the machine filled in: cpu.threads' high 0 = `cores`; cpu.kernel variants this
+    CPU lacks dropped (null stays: the best it has). The result is what the study samples and what its version
+    hashes."""
     out: dict[str, dict[str, Any]] = {}
     for name, knob in sorted(cfg.tuner.space.items()):
         if knob.type == KnobType.categorical:
             choices = list(knob.choices)
-            if name == "cpu_kernel":
-                choices = [c for c in choices if c == "auto" or c in kernels]
+            if name == "cpu.kernel":
+                choices = [c for c in choices if c is None or c in kernels]
             out[name] = {"type": "categorical", "choices": choices}
             continue
         cast = int if knob.type == KnobType.int else float
         low, high = cast(knob.low), cast(knob.high)
-        if name == "cpu_threads" and high == 0:
+        if name == "cpu.threads" and high == 0:
             high = cores
         if high < low:
             raise ValueError(f"tuner.space.{name}: high {high} < low {low}")
@@ -88,39 +90,40 @@ def suggest(trial, space: dict) -> dict[str, Any]:
 
 
 def in_space(params: dict[str, Any], space: dict) -> dict[str, Any]:
-    """The entries of `params` the space can hold (others are left for the sampler).
-    Knobs written as text that may hold numbers (policy.ring_len, policy.slp_group_experts: "auto" or "16") match
-    a numeric space by value: "16" is the choice 16, and "auto" lies in no int range."""
+    """The entries of `params` (knob path -> value) the space can hold (others are left for the sampler): a
+    categorical's choice (null included), a number in a numeric range (null lies in none)."""
     out = {}
     for name, value in params.items():
         spec = space.get(name)
         if spec is None:
             continue
         if spec["type"] == "categorical":
-            same = [c for c in spec["choices"] if c == value or str(c) == str(value)]
+            same = [c for c in spec["choices"] if c == value and isinstance(c, bool) == isinstance(value, bool)]
             if same:
                 out[name] = same[0]
-            continue
-        if isinstance(value, str):
-            try:
-                value = float(value) if spec["type"] == "float" else int(value)
-            except ValueError:
-                continue
-        if spec["low"] <= value <= spec["high"]:
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and spec["low"] <= value <= spec["high"]:
             out[name] = value
     return out
 
 
 def warm_start(cfg: TuneConfig, space: dict, cores: int) -> dict[str, Any]:
-    """The current policy (the composed one: conf/policy/<hw>.yaml once tuned) as a point of the space."""
-    current = asdict(cfg.policy)
-    if current.get("cpu_threads") == 0:  # 0 = all physical cores
-        current["cpu_threads"] = cores
+    """The current policy (the composed one: conf/policy/<hw>.yaml once tuned) as a point of the space, each knob
+    read by its path."""
+    current = {}
+    for name in space:
+        node = cfg.policy
+        for part in name.split("."):
+            node = getattr(node, part)
+        current[name] = node
+    if "cpu.threads" in current and current["cpu.threads"] is None:  # null = all physical cores
+        current["cpu.threads"] = cores
     return in_space(current, space)
 
 
 def as_override_value(value: Any) -> str:
     """A value as Hydra's override grammar reads it back."""
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, str):

@@ -28,7 +28,7 @@ from hybrid import tracking
 from hybrid.config.compose import CONF_DIR, RUNS_DIR, settings_of
 from hybrid.errors import ConfigError
 from tuner import plots, policy as policy_file, space as sp, trial as trial_run
-from tuner.config import TuneConfig
+from tuner.config import TuneConfig, flat_params
 from tuner.select import knee
 from tuner.track import StudyTracker
 from tuner.trial import TRIAL_ENV
@@ -59,7 +59,7 @@ def redact(url: str) -> str:
 
 def trial_overrides(task_overrides: list[str], space: dict) -> list[str]:
     """The command line's overrides that every trial gets: all but tuner.*, the keys the tuner sets itself, and the
-    knobs it samples."""
+    knobs it samples (`policy.<knob path>`)."""
     out = []
     for o in task_overrides:
         key = o.split("=", 1)[0].lstrip("+~")
@@ -154,7 +154,7 @@ class Tuner:
         if warm:
             study.enqueue_trial(warm, user_attrs={"source": "current policy"}, skip_if_exists=True)
         for extra in t.enqueue:
-            params = sp.in_space(dict(extra), self.space)
+            params = sp.in_space(flat_params(extra), self.space)
             if params:
                 study.enqueue_trial(params, user_attrs={"source": "tuner.enqueue"}, skip_if_exists=True)
         return study

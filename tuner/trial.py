@@ -1,4 +1,4 @@
-"""One trial: `python -m hybrid mode=bench bench=slo output=json <overrides> policy.x=...` (the module from
+"""One trial: `python -m hybrid mode=bench bench=slo output=json <overrides> policy.<group>.<knob>=...` (the module from
 `tuner.trial_module`) as a subprocess in its own process group, with a deadline; its environment carries the
 trial's number (HYBRID_TUNER_TRIAL). Its stdout is read as it arrives (JSON lines: the bench's records); stderr goes
 to the trial's log. On the deadline the whole group is killed. The outcome: ok (metrics), crash, oom or deadline."""
@@ -48,6 +48,7 @@ class Outcome:
 
 
 def command(overrides: list[str], policy: dict[str, str], module: str = "hybrid") -> list[str]:
+    """policy: knob path ("cpu.threads") -> the value as an override reads it."""
     return [sys.executable, "-m", module, "mode=bench", "bench=slo", "output=json", *overrides,
             *(f"policy.{k}={v}" for k, v in policy.items())]
 

@@ -76,11 +76,11 @@ def run(settings) -> list[Record]:
     s, cfg = settings, settings.bench
     if min(cfg.contexts) < cfg.steps + 2:
         raise ConfigError(f"bench.contexts must be at least bench.steps + 2 = {cfg.steps + 2} (the steps end there)")
-    if max(cfg.contexts) > s.policy.max_context:
+    if max(cfg.contexts) > s.policy.kv.max_context:
         raise ConfigError(f"bench.contexts reach {max(cfg.contexts)} but the KV cache "
-                          f"holds policy.max_context={s.policy.max_context}: raise policy.max_context")
-    if cfg.batch > s.policy.max_batch:
-        raise ConfigError(f"bench.batch={cfg.batch} exceeds policy.max_batch={s.policy.max_batch}")
+                          f"holds policy.kv.max_context={s.policy.kv.max_context}: raise policy.kv.max_context")
+    if cfg.batch > s.policy.kv.max_batch:
+        raise ConfigError(f"bench.batch={cfg.batch} exceeds policy.kv.max_batch={s.policy.kv.max_batch}")
     engine = build(s, s.hw, progress=sys.stderr.isatty())
     a = engine.model.args
     n_moe, expert_bytes = a.n_moe_layers, bounds.expert_bytes(a)

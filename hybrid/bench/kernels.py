@@ -156,7 +156,7 @@ def _moe_records(cfg, roof: Roof, kernel: str, rng) -> list[Record]:
 
 
 def run(settings) -> list[Record]:
-    cfg, kernel = settings.bench, selected(settings.policy.cpu_kernel)
+    cfg, kernel = settings.bench, selected(settings.policy.cpu.kernel)
     rng = np.random.default_rng(settings.seed)
     pool_gb = cfg.pool_gb or min(4.0, max(1.0, _memory_gb() / 12))
     roof = Roof(pool_gb)

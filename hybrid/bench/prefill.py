@@ -94,9 +94,9 @@ def run(settings) -> list[Record]:
     engine = build(s, s.hw, progress=sys.stderr.isatty())
     if engine.device.type != "cuda" or engine.parts["loader"] is None:
         raise ConfigError("bench=prefill streams experts through a GPU: it needs a GPU profile (+hw=...) with CUDA "
-                          "and policy.moe_backend=native")
-    if max(cfg.prompt_lengths) > s.policy.max_context:
-        raise ConfigError(f"bench.prompt_lengths reach {max(cfg.prompt_lengths)}: raise policy.max_context")
+                          "and policy.cpu.moe_backend=native")
+    if max(cfg.prompt_lengths) > s.policy.kv.max_context:
+        raise ConfigError(f"bench.prompt_lengths reach {max(cfg.prompt_lengths)}: raise policy.kv.max_context")
     a = engine.model.args
     n_moe = a.n_moe_layers
     h2d, mm = h2d_rate(), matmul_rate()
@@ -127,7 +127,7 @@ def run(settings) -> list[Record]:
     for ring in cfg.ring_sweep:
         t = _ttft(engine, longest, ring_len=ring)
         records.append(Record("slp_ring_sweep", t, "s", None, longest, extra={"ring_len": ring}))
-    for group in cfg.group_sweep:  # experts computed together once on the device (policy.slp_group_experts)
+    for group in cfg.group_sweep:  # experts computed together once on the device (policy.prefill.slp_group_experts)
         loop = {}
         t = _ttft(engine, longest, group=group, loop=loop)
         records.append(Record("slp_group_sweep", t, "s", None, longest, extra={"slp_group_experts": group, **loop}))

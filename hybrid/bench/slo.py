@@ -8,7 +8,8 @@ beside it), prefill_tok_s (prompt tokens of all sequences / TTFT), decode_tok_s 
 per second of decoding). decode_tok_s is bounded by the memory read roof measured in the same run
 (`bench.roof_gb`): the bytes the CPU reads per decode step (routed experts the batch activates, on average, plus
 everything else when the CPU does the GPU side's work too) at the roof's GB/s. This is the tuner's objective
-(`python -m tuner`): it runs `python -m hybrid mode=bench bench=slo output=json policy.x=...` once per trial.
+(`python -m tuner`): it runs `python -m hybrid mode=bench bench=slo output=json policy.cpu.threads=...` once per
+trial.
 """
 from __future__ import annotations
 
@@ -23,17 +24,36 @@ from hybrid.errors import ConfigError
 
 def run(s: HybridConfig) -> list[Record]:
     from hybrid.engine.build import build
-    from hybrid.engine.requests import SamplingParams
 
     b, p = s.bench, s.policy
-    if b.batch > p.batch_cap:
-        raise ConfigError(f"bench.batch ({b.batch}) exceeds policy.batch_cap ({p.batch_cap}), the requests that "
-                          "run at once")
-    if b.prompt_tokens + b.new_tokens > p.max_context:
+    batches = list(b.batches) or [b.batch]
+    if max(batches) > p.decode.batch_cap:
+        raise ConfigError(f"bench.batch ({max(batches)}) exceeds policy.decode.batch_cap ({p.decode.batch_cap}), "
+                          "the requests that run at once")
+    if b.prompt_tokens + b.new_tokens > p.kv.max_context:
         raise ConfigError(f"bench.prompt_tokens + bench.new_tokens ({b.prompt_tokens + b.new_tokens}) exceeds "
-                          f"policy.max_context ({p.max_context})")
+                          f"policy.kv.max_context ({p.kv.max_context})")
     engine = build(s, s.hw, progress=False)
-    prompts = _prompts(engine.model.args, b.batch, b.prompt_tokens, s.seed)
+    roof = 0.0
+    if b.roof_gb > 0:
+        from hybrid.kernels.membw import calibrate
+
+        _, readings = calibrate(b.roof_gb)
+        roof = max(readings.values())
+    records = []
+    for batch in batches:  # one engine: the batch sizes side by side
+        records += _batch(engine, s, batch, roof, m=batch if b.batches else None)
+    if roof:
+        records.append(Record("read_roof", roof, "GB/s", extra={"buffer_gb": b.roof_gb}))
+    return records
+
+
+def _batch(engine, s: HybridConfig, batch: int, roof: float, m) -> list[Record]:
+    """TTFT, TPOT and tokens/s of `batch` requests queued at once (their decode against the read roof, if any)."""
+    from hybrid.engine.requests import SamplingParams
+
+    b = s.bench
+    prompts = _prompts(engine.model.args, batch, b.prompt_tokens, s.seed)
 
     def once(new_tokens: int) -> tuple[float, float, list[float]]:
         """All prompts as requests at once, through the scheduler: TTFT of the last first token, the decoding
@@ -48,32 +68,26 @@ def run(s: HybridConfig) -> list[Record]:
         stamps = done[0].token_times
         return first - t0, last - first, [y - x for x, y in zip(stamps, stamps[1:])]
 
-    once(min(b.new_tokens, 2))  # warm-up: thread pools, allocations, caches
+    once(min(b.new_tokens, 2))  # warm-up: thread pools, allocations, caches, graphs of this batch size
     passes = [once(b.new_tokens) for _ in range(b.repeats)]
     ttft = statistics.median(t for t, _, _ in passes)
     decode_s = statistics.median(d for _, d, _ in passes)
     steps = sorted(statistics.median(step) for step in zip(*(st for _, _, st in passes))) or [decode_s]
-    decoded = b.batch * max(b.new_tokens - 1, 1)
+    decoded = batch * max(b.new_tokens - 1, 1)
     tpot = decode_s / max(b.new_tokens - 1, 1)
-    shape = {"prompt_tokens": b.prompt_tokens, "new_tokens": b.new_tokens, "batch": b.batch, "repeats": b.repeats}
-
+    shape = {"prompt_tokens": b.prompt_tokens, "new_tokens": b.new_tokens, "batch": batch, "repeats": b.repeats}
     records = [
-        Record("ttft_s", ttft, "s", extra=shape),
-        Record("tpot_s", tpot, "s", extra={"p50_ms": 1e3 * steps[len(steps) // 2],
-                                           "p90_ms": 1e3 * steps[min(len(steps) - 1, int(0.9 * len(steps)))],
-                                           "max_ms": 1e3 * steps[-1]}),
-        Record("prefill_tok_s", b.batch * b.prompt_tokens / ttft if ttft else 0.0, "tok/s"),
-        Record("decode_tok_s", decoded / decode_s if decode_s else 0.0, "tok/s"),
+        Record("ttft_s", ttft, "s", None, m, extra=shape),
+        Record("tpot_s", tpot, "s", None, m, extra={"p50_ms": 1e3 * steps[len(steps) // 2],
+                                                    "p90_ms": 1e3 * steps[min(len(steps) - 1, int(0.9 * len(steps)))],
+                                                    "max_ms": 1e3 * steps[-1], "batch": batch}),
+        Record("prefill_tok_s", batch * b.prompt_tokens / ttft if ttft else 0.0, "tok/s", None, m),
+        Record("decode_tok_s", decoded / decode_s if decode_s else 0.0, "tok/s", None, m, extra={"batch": batch}),
     ]
-    if b.roof_gb > 0:
-        from hybrid.kernels.membw import calibrate
-
-        _, readings = calibrate(b.roof_gb)
-        roof = max(readings.values())
-        step_bytes = bytes_per_decode_step(engine, b.batch)
-        records[-1].bound = bounds.decode_tok_s_bound(step_bytes, roof, b.batch)
-        records[-1].extra = {"bytes_per_step": step_bytes}
-        records.append(Record("read_roof", roof, "GB/s", extra={"buffer_gb": b.roof_gb}))
+    if roof:
+        step_bytes = bytes_per_decode_step(engine, batch)
+        records[-1].bound = bounds.decode_tok_s_bound(step_bytes, roof, batch)
+        records[-1].extra["bytes_per_step"] = step_bytes
     return records
 
 

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from hybrid.config.schema import HybridConfig, register
+from hybrid.config.schema import MOVED, HybridConfig, register
 from hybrid.errors import ConfigError
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
@@ -41,12 +42,46 @@ def settings_of(cfg: DictConfig) -> HybridConfig:
         raise ConfigError(str(getattr(e, "msg", e)).splitlines()[0]) from e
 
 
+def unknown_override(overrides: Iterable[str], schema: type = HybridConfig) -> Optional[str]:
+    """The first `key=value` override whose key the schema lacks, as one line (what a user sees instead of Hydra's
+    several), or None. Keys below a node the schema leaves open (dicts, lists) are Hydra's to check; `+key=...`
+    is refused after composition (to_settings), `~key` and Hydra's own options are left alone."""
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        if "=" not in o or key.startswith(("-", "+", "~", "hydra")) or "@" in key or "/" in key:
+            continue
+        node: object = schema
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+                break
+            types = typing.get_type_hints(node)
+            known = [f.name for f in dataclasses.fields(node)]
+            if part not in known:
+                return _unknown(".".join(parts[:i + 1]), known)
+            node = _unwrap(types[part])
+    return None
+
+
+def _unwrap(t: object) -> object:
+    """Optional[X] -> X; other types as they are."""
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    return args[0] if typing.get_origin(t) is typing.Union and len(args) == 1 else t
+
+
+def _unknown(key: str, known: Iterable[str]) -> str:
+    moved = MOVED.get(key.removeprefix("policy.")) if key.startswith("policy.") else None
+    if moved:
+        return f"unknown config key {key}: now policy.{moved} (the policy's keys were regrouped on 2026-12-01)"
+    return f"unknown config key {key} (known: {', '.join(sorted(known))})"
+
+
 def _refuse_unknown(obj, prefix: str) -> None:
     if not dataclasses.is_dataclass(obj):
         return
     known = {f.name for f in dataclasses.fields(obj)}
     unknown = sorted(set(vars(obj)) - known)
     if unknown:
-        raise ValueError(f"unknown config key {prefix}{unknown[0]} (known: {', '.join(sorted(known))})")
+        raise ValueError(_unknown(prefix + unknown[0], known))
     for name in known:
         _refuse_unknown(getattr(obj, name), f"{prefix}{name}.")

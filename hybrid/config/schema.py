@@ -79,61 +79,128 @@ class ModelConfig:
             raise ValueError(f"model '{self.name}': set model.path (a checkpoint directory) or model.synthetic")
 
 
+KERNELS = ("avx512_bf16", "avx2", "generic")  # CPU kernel ISA variants (hybrid/kernels/dispatch.py VARIANTS)
+
+
+def _at_least(group: object, path: str, low: int, *knobs: str, optional: bool = False) -> None:
+    """Each knob >= low (or null, where optional), else a ValueError naming policy.<path>.<knob>."""
+    for knob in knobs:
+        value = getattr(group, knob)
+        if value is None and optional:
+            continue
+        if value is None or value < low:
+            null = " or null" if optional else ""
+            raise ValueError(f"policy.{path}.{knob} must be >= {low}{null}, got {value}")
+
+
+def _one_of(group: object, path: str, knob: str, choices: tuple) -> None:
+    value = getattr(group, knob)
+    if value not in choices:
+        names = ", ".join("null" if c is None else c for c in choices)
+        raise ValueError(f"policy.{path}.{knob} must be one of {names}, got {value!r}")
+
+
+@dataclass
+class CpuPolicy:
+    """The CPU expert kernels (hybrid/kernels/, placement's CpuExperts)."""
+    threads: Optional[int] = None  # threads of the kernels; null = the profile's physical cores, else the machine's
+    kernel: Optional[str] = None  # ISA: null (HYBRID_CPU_KERNEL, else the best there) | avx512_bf16 | avx2 | generic
+    moe_backend: str = "native"  # routed experts: native (the C++ CPU kernels) | torch (reference path)
+    gemm_tile_tokens: int = 64  # tokens per expert from which FP8 tiles are converted once and reused
+    deferred_experts: int = 0  # experts deferred to overlap the next layer (changes outputs slightly)
+
+    def __post_init__(self) -> None:
+        _at_least(self, "cpu", 1, "threads", optional=True)
+        _one_of(self, "cpu", "kernel", (None, *KERNELS))
+        _one_of(self, "cpu", "moe_backend", ("native", "torch"))
+        _at_least(self, "cpu", 1, "gemm_tile_tokens")
+        _at_least(self, "cpu", 0, "deferred_experts")
+
+
+@dataclass
+class KvPolicy:
+    """The KV cache."""
+    max_batch: int = 8  # KV-cache slots (sequences held at once)
+    max_context: int = 4096  # tokens per sequence the KV cache holds
+
+    def __post_init__(self) -> None:
+        _at_least(self, "kv", 1, "max_batch", "max_context")
+
+
+@dataclass
+class PrefillPolicy:
+    """Prefill: chunked on the engine's step, or stream-loaded on the GPU (hybrid/prefill/)."""
+    chunk_tokens: int = 512  # prompts on the chunked path go in this many tokens per engine step
+    slp_cutoff_tokens: int = 128  # prompts longer than this are prefilled on the GPU by stream-loading
+    ring_len: Optional[int] = None  # expert slots of the stream-loading ring buffer; null = as memory allows
+    slp_chunk_tokens: Optional[int] = None  # stream-loading prefill in chunks of this many tokens; null: as memory fits
+    slp_group_experts: Optional[int] = None  # SLP: up to this many experts computed together; null: 16 where it applies
+
+    def __post_init__(self) -> None:
+        _at_least(self, "prefill", 1, "chunk_tokens")
+        _at_least(self, "prefill", 0, "slp_cutoff_tokens")
+        _at_least(self, "prefill", 1, "ring_len", "slp_chunk_tokens", "slp_group_experts", optional=True)
+
+
+@dataclass
+class DecodePolicy:
+    """Decode steps and the requests batched into them."""
+    batch_cap: int = 6  # most requests running at once (holding a KV slot: prefilling or decoding)
+    cuda_graphs: str = "hostfn"  # CUDA graphs: hostfn (one graph, CPU hand-off as host nodes) | segments | off
+
+    def __post_init__(self) -> None:
+        _at_least(self, "decode", 1, "batch_cap")
+        _one_of(self, "decode", "cuda_graphs", ("hostfn", "segments", "off"))
+
+
+@dataclass
+class GpuPolicy:
+    """The GPU side: its memory, its weights, hot experts."""
+    memory_budget_gb: Optional[float] = None  # GPU memory the engine may hold; null = all free memory less a reserve
+    weights: str = "dense"  # FP8 weights of the GPU side: dense (dequantised once) | fp8 (kept; dequantised per use)
+    fp8_gemm: str = "triton"  # FP8 weights on the GPU (streamed experts, weights=fp8): triton | dequant | auto
+    fp8_dequant_rows: int = 512  # auto: from this many rows, dequantise + cuBLAS instead of the FP8 GEMM
+    experts_per_layer: int = 0  # hot routed experts kept resident on the GPU, per layer
+
+    def __post_init__(self) -> None:
+        if self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
+            raise ValueError(f"policy.gpu.memory_budget_gb must be > 0 or null, got {self.memory_budget_gb}")
+        _one_of(self, "gpu", "weights", ("dense", "fp8"))
+        _one_of(self, "gpu", "fp8_gemm", ("auto", "triton", "dequant"))
+        _at_least(self, "gpu", 1, "fp8_dequant_rows")
+        _at_least(self, "gpu", 0, "experts_per_layer")
+
+
 @dataclass
 class PolicyConfig:
+    """The tunable knobs (conf/policy/), grouped by what reads them; null = decided at build (hybrid/engine/build.py
+    resolves each into the Plan)."""
     # When the machine lacks what the hw profile needs: false = stop and say what is missing,
     # true = warn, then adapt (GPU work on the CPU, fewer threads, ...).
     adapt_to_hardware: bool = False
-    cpu_threads: int = 0  # threads of the CPU expert kernels; 0 = all physical cores
-    cpu_kernel: str = "auto"  # CPU kernel ISA: auto | avx512_bf16 | avx2 | generic
-    moe_backend: str = "native"  # routed experts: native (the C++ CPU kernels) | torch (reference path)
-    cpu_gemm_tile_tokens: int = 64  # tokens per expert from which FP8 tiles are converted once and reused
-    slp_cutoff_tokens: int = 128  # prompts longer than this are prefilled on the GPU by stream-loading
-    ring_len: str = "auto"  # expert slots of the stream-loading ring buffer: a number >= 1, or auto
-    slp_chunk_tokens: int = 0  # stream-loading prefill in chunks of this many tokens; 0 = auto (as memory allows)
-    slp_group_experts: str = "auto"  # SLP: up to this many experts computed together; auto: 16 where it applies
-    batch_cap: int = 6  # most requests running at once (holding a KV slot: prefilling or decoding)
-    prefill_chunk_tokens: int = 512  # prompts on the chunked path go in this many tokens per engine step
-    max_batch: int = 8  # KV-cache slots (sequences held at once)
-    max_context: int = 4096  # tokens per sequence the KV cache holds
-    gpu_experts_per_layer: int = 0  # hot routed experts kept resident on the GPU, per layer
-    deferred_experts: int = 0  # experts deferred to overlap the next layer (changes outputs slightly)
-    gpu_memory_budget_gb: float = 0.0  # GPU memory the engine may hold; 0 = all free memory less a reserve
-    cuda_graphs: str = "hostfn"  # decode under CUDA graphs: hostfn (one graph, CPU hand-off as host nodes) | segments | off
-    gpu_fp8_gemm: str = "triton"  # FP8 weights on the GPU (streamed experts, gpu_weights=fp8): triton | dequant | auto
-    gpu_fp8_dequant_rows: int = 512  # auto: from this many rows, dequantise + cuBLAS instead of the FP8 GEMM
-    gpu_weights: str = "dense"  # FP8 weights of the GPU side: dense (dequantised once) | fp8 (kept; dequantised per use)
+    cpu: CpuPolicy = field(default_factory=CpuPolicy)
+    kv: KvPolicy = field(default_factory=KvPolicy)
+    prefill: PrefillPolicy = field(default_factory=PrefillPolicy)
+    decode: DecodePolicy = field(default_factory=DecodePolicy)
+    gpu: GpuPolicy = field(default_factory=GpuPolicy)
 
     def __post_init__(self) -> None:
-        for knob in ("ring_len", "slp_group_experts"):  # text knobs: a number or auto
-            value = getattr(self, knob)
-            if value != "auto" and not (value.isdecimal() and int(value) >= 1):
-                raise ValueError(f"policy.{knob} must be a number >= 1 or 'auto', got {value!r}")
-        if self.gpu_weights not in ("dense", "fp8"):
-            raise ValueError(f"policy.gpu_weights must be dense or fp8, got {self.gpu_weights!r}")
-        if self.cuda_graphs not in ("hostfn", "segments", "off"):
-            raise ValueError(f"policy.cuda_graphs must be hostfn, segments or off, got {self.cuda_graphs!r}")
-        if self.gpu_fp8_gemm not in ("auto", "triton", "dequant"):
-            raise ValueError(f"policy.gpu_fp8_gemm must be auto, triton or dequant, got {self.gpu_fp8_gemm!r}")
-        if self.moe_backend not in ("native", "torch"):
-            raise ValueError(f"policy.moe_backend must be native or torch, got {self.moe_backend!r}")
-        if self.cpu_kernel not in ("auto", "avx512_bf16", "avx2", "generic"):
+        if self.decode.batch_cap > self.kv.max_batch:
             raise ValueError(
-                f"policy.cpu_kernel must be auto, avx512_bf16, avx2 or generic, got {self.cpu_kernel!r}"
+                f"policy.decode.batch_cap ({self.decode.batch_cap}) exceeds policy.kv.max_batch "
+                f"({self.kv.max_batch}), the number of KV-cache slots"
             )
-        for knob in ("cpu_threads", "slp_cutoff_tokens", "slp_chunk_tokens", "gpu_experts_per_layer",
-                     "deferred_experts"):
-            if getattr(self, knob) < 0:
-                raise ValueError(f"policy.{knob} must be >= 0, got {getattr(self, knob)}")
-        for knob in ("batch_cap", "max_batch", "max_context", "cpu_gemm_tile_tokens", "gpu_fp8_dequant_rows",
-                     "prefill_chunk_tokens"):
-            if getattr(self, knob) < 1:
-                raise ValueError(f"policy.{knob} must be >= 1, got {getattr(self, knob)}")
-        if self.batch_cap > self.max_batch:
-            raise ValueError(
-                f"policy.batch_cap ({self.batch_cap}) exceeds policy.max_batch ({self.max_batch}), "
-                "the number of KV-cache slots"
-            )
+
+
+# The flat policy keys of before 2026-12-01 -> their paths since (named when a command line still gives an old one)
+MOVED = {"cpu_threads": "cpu.threads", "cpu_kernel": "cpu.kernel", "moe_backend": "cpu.moe_backend",
+         "cpu_gemm_tile_tokens": "cpu.gemm_tile_tokens", "deferred_experts": "cpu.deferred_experts",
+         "max_batch": "kv.max_batch", "max_context": "kv.max_context", "prefill_chunk_tokens": "prefill.chunk_tokens",
+         "slp_cutoff_tokens": "prefill.slp_cutoff_tokens", "ring_len": "prefill.ring_len",
+         "slp_chunk_tokens": "prefill.slp_chunk_tokens", "slp_group_experts": "prefill.slp_group_experts",
+         "batch_cap": "decode.batch_cap", "cuda_graphs": "decode.cuda_graphs",
+         "gpu_memory_budget_gb": "gpu.memory_budget_gb", "gpu_weights": "gpu.weights", "gpu_fp8_gemm": "gpu.fp8_gemm",
+         "gpu_fp8_dequant_rows": "gpu.fp8_dequant_rows", "gpu_experts_per_layer": "gpu.experts_per_layer"}
 
 
 @dataclass
@@ -153,7 +220,8 @@ class BenchConfig:
     # slo: the SLO report card of the configured model (TTFT, TPOT, prefill and decode tokens/s)
     prompt_tokens: int = 256  # synthetic prompt length, per sequence
     new_tokens: int = 32  # tokens generated per sequence
-    batch: int = 1  # sequences prefilled, then decoded together
+    batch: int = 1  # requests queued at once: prefilled, then decoded together
+    batches: List[int] = field(default_factory=list)  # slo: each of these batch sizes in one run (replaces batch)
     roof_gb: float = 0.5  # buffer of the memory read roof that bounds decode; 0 = no roof, no bound
     # decode: TPOT and its per-layer split at these context lengths
     contexts: List[int] = field(default_factory=lambda: [1024, 4096, 16384, 32768])
@@ -162,7 +230,7 @@ class BenchConfig:
     # prefill: TTFT by prompt length, stream-loading vs the CPU path, ring-length sweep
     prompt_lengths: List[int] = field(default_factory=lambda: [128, 512, 2048, 8192, 16384])
     ring_sweep: List[int] = field(default_factory=lambda: [2, 8, 32, 128])  # at the longest prompt
-    group_sweep: List[int] = field(default_factory=list)  # policy.slp_group_experts values timed at the longest
+    group_sweep: List[int] = field(default_factory=list)  # policy.prefill.slp_group_experts values timed at the longest
     cpu_max_tokens: int = 2048  # the CPU path is timed up to this prompt length
     fp8_tiles: List[str] = field(default_factory=list)  # Triton tiles for prefill-sized rows to time, e.g. 128x256x64/8/3
     # gpu_gemm: the GPU ways through one expert's FP8 weights (fp8_tiles above; hidden, inter, repeats)
@@ -170,7 +238,8 @@ class BenchConfig:
     trace: bool = False  # prefill: save the profiled run's timeline (Chrome trace, .trace.json.gz beside the results)
 
     def __post_init__(self) -> None:
-        if min([*self.ms, *self.moe_tokens, *self.gemm_rows, *self.group_sweep], default=1) < 1 or self.repeats < 1:
+        if (min([*self.ms, *self.moe_tokens, *self.gemm_rows, *self.group_sweep, *self.batches], default=1) < 1
+                or self.repeats < 1):
             raise ValueError("bench: token counts, group sizes and repeats must be >= 1")
         for knob in ("prompt_tokens", "new_tokens", "batch"):
             if getattr(self, knob) < 1:

@@ -1,5 +1,5 @@
 """Build the engine from the configs: load the checkpoint, place it (routed experts on the CPU kernels, the rest on
-the compute device), plan the device's memory, resolve every `auto` of the policy into the plan, and make the
+the compute device), plan the device's memory, resolve every `null` of the policy into the plan, and make the
 `Engine`. The one place that decides devices."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from hybrid.engine.plan import Plan
 from hybrid.engine.staging import Staging
 from hybrid.errors import ConfigError
 from hybrid.kernels import combine, fp8_linear, pointwise, thread_pool
-from hybrid.kernels.dispatch import selected
+from hybrid.kernels.dispatch import kernel_name, selected
 from hybrid.kernels.gemm import set_tile_min_tokens
 from hybrid.model.transformer import Transformer
 from hybrid.prefill.ring import expert_tensors, layout
@@ -33,9 +33,9 @@ def compute_device(hw: HwConfig) -> torch.device:
 
 
 def cpu_threads(p: PolicyConfig, hw: HwConfig) -> int:
-    """policy.cpu_threads, else the profile's physical cores, else this machine's."""
-    if p.cpu_threads:
-        return p.cpu_threads
+    """policy.cpu.threads, else the profile's physical cores, else this machine's."""
+    if p.cpu.threads is not None:
+        return p.cpu.threads
     if hw.cpu.cores:
         return hw.cpu.cores
     from hybrid.hw.detect import detect
@@ -55,44 +55,43 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
     p = s.policy
     device = compute_device(hw)
     threads = cpu_threads(p, hw)
-    configure_cpu(threads, p.cpu_gemm_tile_tokens)
-    gemm = fp8_linear.Fp8Gemm(p.gpu_fp8_gemm, p.gpu_fp8_dequant_rows)
+    configure_cpu(threads, p.cpu.gemm_tile_tokens)
+    gemm = fp8_linear.Fp8Gemm(p.gpu.fp8_gemm, p.gpu.fp8_dequant_rows)
     if device.type == "cuda" and fp8_linear.triton is None:
         print("note: Triton is not installed: FP8 weights on the GPU are dequantised with torch ops before use "
-              f"(policy.gpu_fp8_gemm={p.gpu_fp8_gemm} needs it)", file=sys.stderr)
+              f"(policy.gpu.fp8_gemm={p.gpu.fp8_gemm} needs it)", file=sys.stderr)
     model, tok = models.load(s.model, progress)
     a = model.args
     staging = Staging(a.hidden_size, a.num_experts_per_tok, pin=device.type == "cuda")
-    native = p.moe_backend == "native"
+    native = p.cpu.moe_backend == "native"
     if native:
-        experts_to_cpu_kernels(model, p.cpu_kernel, staging, p.deferred_experts)
+        experts_to_cpu_kernels(model, kernel_name(p.cpu.kernel), staging, p.cpu.deferred_experts)
         if device.type == "cuda":
             pinned = pin_experts(model)
             print(f"routed experts: {pinned / 1e9:.2f} GB in pinned host memory", file=sys.stderr)
-    elif p.deferred_experts:
-        raise ConfigError("policy.deferred_experts needs policy.moe_backend=native")
+    elif p.cpu.deferred_experts:
+        raise ConfigError("policy.cpu.deferred_experts needs policy.cpu.moe_backend=native")
     hot = hot_experts(s, model, device, gemm)
     # Triton compiles now, not in a first long prompt; where it fails, the torch forms run
     fused = pointwise.Fused(pointwise.warm_up(a, device, model.dtype))
-    weight_bytes = place(model, device, p.gpu_weights, gemm, fused)
+    weight_bytes = place(model, device, p.gpu.weights, gemm, fused)
     hot_bytes = sum(h.nbytes for h in hot)
     if device.type == "cuda":
         print(f"GPU side: {(weight_bytes + hot_bytes) / 1e9:.2f} GB of weights", file=sys.stderr)
-    budget = free_bytes(device, p.gpu_memory_budget_gb)
-    kv = check_kv_cache(a, model.dtype, p.max_batch, p.max_context, budget, device)
-    cache = model.new_cache(p.max_batch, p.max_context, device)
+    budget = free_bytes(device, p.gpu.memory_budget_gb)
+    kv = check_kv_cache(a, model.dtype, p.kv.max_batch, p.kv.max_context, budget, device)
+    cache = model.new_cache(p.kv.max_batch, p.kv.max_context, device)
 
     long_prefill, group, chunk, loader = None, 1, 0, None
     if device.type == "cuda" and native:
-        group = group_size(p.slp_group_experts, device, model.dtype)
+        group = group_size(p.prefill.slp_group_experts, device, model.dtype)
         if a.fp8_block:
             fp8_linear.warm_up(expert_gemm_shapes(a), device, gemm)
         loader = StreamLoader(gemm, combine.warm_up(a.num_experts_per_tok, a.hidden_size, device, model.dtype))
         slot = slot_bytes(model)
         ledger = Ledger(budget, weight_bytes, kv, hot_bytes, group_bytes(a, group))
-        chunk = p.slp_chunk_tokens or auto_chunk(a, ledger.free, slot)
-        ring = None if p.ring_len == "auto" else int(p.ring_len)
-        long_prefill = LongPrefill(model, device, loader, slot, group, ring, p.gpu_memory_budget_gb)
+        chunk = p.prefill.slp_chunk_tokens or auto_chunk(a, ledger.free, slot)
+        long_prefill = LongPrefill(model, device, loader, slot, group, p.prefill.ring_len, p.gpu.memory_budget_gb)
     else:
         ledger = Ledger(budget, weight_bytes, kv, hot_bytes)
     graphs = graphs_apply(s, device)
@@ -100,15 +99,15 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
     if graphs:
         from hybrid.engine.cuda_graphs import GraphedDecode  # GPU only: loads the CUDA driver's entry point
 
-        decode = GraphedDecode(model, cache, staging, p.cuda_graphs, p.max_batch)
-    plan = Plan(device=device, threads=threads, cpu_kernel=selected(p.cpu_kernel) if native else "torch",
-                cpu_gemm_tile_tokens=p.cpu_gemm_tile_tokens, moe_backend=p.moe_backend,
-                deferred_experts=p.deferred_experts, max_batch=p.max_batch, max_context=p.max_context,
-                batch_cap=p.batch_cap, prefill_chunk_tokens=p.prefill_chunk_tokens,
-                slp_cutoff_tokens=p.slp_cutoff_tokens, slp_chunk_tokens=chunk,
-                ring_len=None if p.ring_len == "auto" else int(p.ring_len), slp_group_experts=group,
-                gpu_weights=p.gpu_weights, gpu_fp8_gemm=p.gpu_fp8_gemm, gpu_fp8_dequant_rows=p.gpu_fp8_dequant_rows,
-                cuda_graphs=p.cuda_graphs if graphs else "off", gpu_experts_per_layer=p.gpu_experts_per_layer,
+        decode = GraphedDecode(model, cache, staging, p.decode.cuda_graphs, p.kv.max_batch)
+    plan = Plan(device=device, threads=threads, cpu_kernel=selected(p.cpu.kernel) if native else "torch",
+                cpu_gemm_tile_tokens=p.cpu.gemm_tile_tokens, moe_backend=p.cpu.moe_backend,
+                deferred_experts=p.cpu.deferred_experts, max_batch=p.kv.max_batch, max_context=p.kv.max_context,
+                batch_cap=p.decode.batch_cap, prefill_chunk_tokens=p.prefill.chunk_tokens,
+                slp_cutoff_tokens=p.prefill.slp_cutoff_tokens, slp_chunk_tokens=chunk,
+                ring_len=p.prefill.ring_len, slp_group_experts=group,
+                gpu_weights=p.gpu.weights, gpu_fp8_gemm=p.gpu.fp8_gemm, gpu_fp8_dequant_rows=p.gpu.fp8_dequant_rows,
+                cuda_graphs=p.decode.cuda_graphs if graphs else "off", gpu_experts_per_layer=p.gpu.experts_per_layer,
                 ledger=ledger)
     print(plan.describe(), file=sys.stderr)
     after = functools.partial(_refresh, hot) if hot else None
@@ -123,23 +122,23 @@ def _refresh(hot: list[HotExperts]) -> None:
 
 def hot_experts(s: HybridConfig, model: Transformer, device: torch.device,
                 gemm: fp8_linear.Fp8Gemm = fp8_linear.DEFAULT_GEMM) -> list[HotExperts]:
-    """policy.gpu_experts_per_layer > 0: that many slots per MoE layer for the hottest routed experts on the GPU."""
-    n, p = s.policy.gpu_experts_per_layer, s.policy
+    """policy.gpu.experts_per_layer > 0: that many slots per MoE layer for the hottest routed experts on the GPU."""
+    n, p = s.policy.gpu.experts_per_layer, s.policy
     if not n:
         return []
     if device.type != "cuda":
-        raise ConfigError("policy.gpu_experts_per_layer > 0 keeps hot experts on the GPU: this profile runs "
+        raise ConfigError("policy.gpu.experts_per_layer > 0 keeps hot experts on the GPU: this profile runs "
                           "without one (set it to 0)")
-    if p.moe_backend != "native" or p.deferred_experts:
-        raise ConfigError("policy.gpu_experts_per_layer > 0 needs policy.moe_backend=native and "
-                          "policy.deferred_experts=0")
+    if p.cpu.moe_backend != "native" or p.cpu.deferred_experts:
+        raise ConfigError("policy.gpu.experts_per_layer > 0 needs policy.cpu.moe_backend=native and "
+                          "policy.cpu.deferred_experts=0")
     layers = cpu_experts(model)
     need = n * len(layers) * slot_bytes(model)
-    budget = free_bytes(device, p.gpu_memory_budget_gb)
+    budget = free_bytes(device, p.gpu.memory_budget_gb)
     if need > budget:
-        raise ConfigError(f"policy.gpu_experts_per_layer={n} needs {need / 1e9:.2f} GB of GPU memory for "
+        raise ConfigError(f"policy.gpu.experts_per_layer={n} needs {need / 1e9:.2f} GB of GPU memory for "
                           f"{len(layers)} MoE layers but {max(budget, 0) / 1e9:.2f} GB is free: lower it "
-                          "(or raise policy.gpu_memory_budget_gb)")
+                          "(or raise policy.gpu.memory_budget_gb)")
     return hot_experts_to_device(model, n, device, gemm)
 
 
@@ -153,11 +152,11 @@ def graphs_apply(s: HybridConfig, device: torch.device) -> bool:
     """CUDA graphs need a GPU and every MoE layer's experts on the native op without deferral (whose Python-side
     bookkeeping runs between layers); otherwise decode stays eager."""
     p = s.policy
-    if p.cuda_graphs == "off" or device.type != "cuda":
+    if p.decode.cuda_graphs == "off" or device.type != "cuda":
         return False
-    if p.moe_backend != "native" or p.deferred_experts:
-        print("note: decode runs eagerly (policy.cuda_graphs needs policy.moe_backend=native and "
-              "policy.deferred_experts=0)", file=sys.stderr)
+    if p.cpu.moe_backend != "native" or p.cpu.deferred_experts:
+        print("note: decode runs eagerly (policy.decode.cuda_graphs needs policy.cpu.moe_backend=native and "
+              "policy.cpu.deferred_experts=0)", file=sys.stderr)
         return False
     return True
 

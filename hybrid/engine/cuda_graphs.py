@@ -1,4 +1,4 @@
-"""CUDA graphs over the hybrid decode step, the CPU MoE hand-off included (`policy.cuda_graphs`).
+"""CUDA graphs over the hybrid decode step, the CPU MoE hand-off included (`policy.decode.cuda_graphs`).
 
 Eager decode is launch-bound at small batches: an MLA layer is dozens of small kernels. A graph replays a whole
 step's kernels with one launch. The routed experts run on the CPU in the middle of every MoE layer, and two ways of
@@ -47,7 +47,7 @@ def kv_bucket(kv_len: int, max_context: int) -> int:
     (at least MIN_BUCKET), capped at the cache's length — attention reads at most 1/4 more positions than it needs
     (past MIN_BUCKET), and a 32K cache needs 24 graphs per batch size."""
     if not 1 <= kv_len <= max_context:
-        raise ValueError(f"kv_len {kv_len} outside 1..{max_context} (policy.max_context)")
+        raise ValueError(f"kv_len {kv_len} outside 1..{max_context} (policy.kv.max_context)")
     step = max(MIN_BUCKET, (1 << (kv_len - 1).bit_length()) // BUCKETS_PER_OCTAVE)
     return min(max_context, -(-kv_len // step) * step)
 
@@ -142,7 +142,7 @@ class CapturedExperts(ExpertsWrapper):
 
     def __init__(self, layer: CpuExperts, capture):
         if isinstance(layer, DeferredCpuExperts):
-            raise ValueError("CUDA graphs need policy.deferred_experts=0")
+            raise ValueError("CUDA graphs need policy.cpu.deferred_experts=0")
         super().__init__(layer)
         self.capture = capture
 
@@ -176,9 +176,9 @@ class GraphedDecode:
 
     def __init__(self, model: Transformer, cache: KVCache, staging: Staging, mode: str, max_batch: int):
         if mode not in MODES[1:]:
-            raise ValueError(f"policy.cuda_graphs must be one of {MODES}, got {mode!r}")
+            raise ValueError(f"policy.decode.cuda_graphs must be one of {MODES}, got {mode!r}")
         if any(isinstance(layer, DeferredCpuExperts) for layer in cpu_experts(model)):
-            raise ValueError("CUDA graphs need policy.deferred_experts=0")
+            raise ValueError("CUDA graphs need policy.cpu.deferred_experts=0")
         self.model, self.cache, self.staging, self.mode = model, cache, staging, mode
         self.device = next(model.parameters()).device
         self.graphs: dict[tuple[int, int], _Graph] = {}

@@ -98,7 +98,7 @@ class Engine:
         need, room = len(prompt) + params.max_tokens, self.plan.max_context
         if need > room:
             raise RequestError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = {need} exceeds "
-                               f"the {room} tokens a KV slot holds (policy.max_context)")
+                               f"the {room} tokens a KV slot holds (policy.kv.max_context)")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need the checkpoint's tokenizer")
 
@@ -214,13 +214,13 @@ class Engine:
                 **stream) -> tuple[torch.Tensor, list]:
         """Prefills prompt_ids into KV slot `slot` (no request may hold it) and returns the last token's logits and
         the stream-loading pipelines used (their statistics). streamed: None = as the scheduler would (longer
-        than policy.slp_cutoff_tokens where stream-loading applies); `stream` (ring_len, group, gemm) replaces the
-        plan's for this call."""
+        than policy.prefill.slp_cutoff_tokens where stream-loading applies); `stream` (ring_len, group, gemm)
+        replaces the plan's for this call."""
         prompt = list(prompt_ids)
         if streamed is None:
             streamed = self._long_prefill is not None and len(prompt) > self.plan.slp_cutoff_tokens
         if streamed and self._long_prefill is None:
-            raise RuntimeError("stream-loading prefill needs a GPU and policy.moe_backend=native")
+            raise RuntimeError("stream-loading prefill needs a GPU and policy.cpu.moe_backend=native")
         if any(r.slot == slot for r in self.scheduler.running):
             raise RuntimeError(f"KV slot {slot} is held by a request")
         return self._prefill_range(prompt, 0, len(prompt), slot, streamed, **stream)

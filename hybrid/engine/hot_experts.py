@@ -1,4 +1,4 @@
-"""Hot routed experts resident on the GPU (`policy.gpu_experts_per_layer` = N per MoE layer).
+"""Hot routed experts resident on the GPU (`policy.gpu.experts_per_layer` = N per MoE layer).
 
 The CPU reads the weights of every routed expert a token picks. The experts picked most often can stay in GPU memory
 instead, so that the CPU reads fewer bytes per token. Per MoE layer, N fixed GPU slots hold copies of the hottest
@@ -30,7 +30,7 @@ class HotExperts(nn.Module):
     def __init__(self, host_experts: RoutedExperts, n: int, device: torch.device, gemm: Fp8Gemm = DEFAULT_GEMM):
         super().__init__()
         if not 0 < n <= len(host_experts):
-            raise ValueError(f"policy.gpu_experts_per_layer={n} must be between 1 and the {len(host_experts)} "
+            raise ValueError(f"policy.gpu.experts_per_layer={n} must be between 1 and the {len(host_experts)} "
                              "routed experts of a layer")
         self._host = (host_experts,)  # in a tuple, not a submodule: they stay on the host
         self.gemm = gemm

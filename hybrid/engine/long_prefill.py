@@ -1,5 +1,5 @@
 """Stream-loading prefill as the engine runs it: for a prompt chunk of T tokens, the ring as deep as the memory plan
-leaves beside the chunk's activations (or policy.ring_len), the experts grouped as the plan says, through the
+leaves beside the chunk's activations (or policy.prefill.ring_len), the experts grouped as the plan says, through the
 engine's StreamLoader (hybrid/prefill/slp.py). Benchmarks vary ring length, group size and FP8 GEMM per call."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class LongPrefill:
     slot_bytes: int
     group: int  # experts computed together (plan.slp_group_experts)
     ring_len: Optional[int] = None  # None: as deep as memory allows, per chunk
-    budget_gb: float = 0.0  # policy.gpu_memory_budget_gb (0: the device's free memory less a reserve)
+    budget_gb: Optional[float] = None  # policy.gpu.memory_budget_gb (None: the device's free memory less a reserve)
 
     def __call__(self, tokens: int, ring_len: Optional[int] = None, group: Optional[int] = None,
                  gemm: Optional[Fp8Gemm] = None) -> ContextManager:

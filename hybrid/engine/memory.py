@@ -7,6 +7,7 @@ Legend: T tokens, D hidden, I expert intermediate, K experts per token.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import torch
 
@@ -40,9 +41,9 @@ class Ledger:
         return {**asdict(self), "free": self.free}
 
 
-def free_bytes(device: torch.device, budget_gb: float = 0.0) -> float:
+def free_bytes(device: torch.device, budget_gb: Optional[float] = None) -> float:
     """What the engine may still take on `device`: on a GPU, its free memory plus torch's cache (ours), capped by
-    policy.gpu_memory_budget_gb (less what torch holds) when set, else less a reserve; on the CPU, available RAM
+    policy.gpu.memory_budget_gb (less what torch holds) when set, else less a reserve; on the CPU, available RAM
     less a reserve."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -64,10 +65,10 @@ def check_kv_cache(a, dtype: torch.dtype, slots: int, context: int, budget: floa
         where = "GPU" if device.type == "cuda" else "host"
         per_token = need // (slots * context)
         raise ConfigError(
-            f"the KV cache for policy.max_batch={slots} x policy.max_context={context} needs {need / 1e9:.2f} GB "
-            f"({per_token} bytes per token) but the {where} budget left after the weights is "
-            f"{max(budget, 0) / 1e9:.2f} GB: lower policy.max_context or policy.max_batch"
-            + (", or raise policy.gpu_memory_budget_gb" if device.type == "cuda" else ""))
+            f"the KV cache for policy.kv.max_batch={slots} x policy.kv.max_context={context} needs "
+            f"{need / 1e9:.2f} GB ({per_token} bytes per token) but the {where} budget left after the weights is "
+            f"{max(budget, 0) / 1e9:.2f} GB: lower policy.kv.max_context or policy.kv.max_batch"
+            + (", or raise policy.gpu.memory_budget_gb" if device.type == "cuda" else ""))
     return need
 
 
@@ -90,7 +91,7 @@ def auto_chunk(a, budget_bytes: float, slot: int) -> int:
     per_token = activation_bytes(a, 1)
     if room <= per_token * 1024:
         raise ConfigError(f"the GPU budget ({budget_bytes / 1e9:.2f} GB) leaves no room for stream-loading prefill "
-                          "activations: raise policy.gpu_memory_budget_gb or set policy.slp_chunk_tokens")
+                          "activations: raise policy.gpu.memory_budget_gb or set policy.prefill.slp_chunk_tokens")
     tokens = int(room // per_token)
     return 0 if tokens >= 1_000_000 else tokens // 256 * 256
 

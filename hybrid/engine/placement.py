@@ -153,7 +153,7 @@ class DeferredCpuExperts(CpuExperts):
         return [cls(e, staging, kernel, deferral, last=i == len(experts) - 1) for i, e in enumerate(experts)]
 
     def with_hot(self, hot: Optional[HotExperts]) -> "CpuExperts":
-        raise ValueError("resident (hot) experts need policy.deferred_experts=0")
+        raise ValueError("resident (hot) experts need policy.cpu.deferred_experts=0")
 
     def submit(self, s: Staged):
         return self.deferral.start(self, s.x_h, s.w_h, s.ids_h, s.x_TD)

@@ -1,4 +1,4 @@
-"""The engine's run-time plan: every choice of the policy resolved once (`auto` and `null` replaced by what this
+"""The engine's run-time plan: every choice of the policy resolved once (`null` and `auto` replaced by what this
 machine and model get), frozen, printed at start-up and logged with the run. Built by hybrid/engine/build.py; the
 engine and the passes read their configuration from it, nothing else.
 """

@@ -6,7 +6,7 @@ only host<->device synchronisation of a layer; counted in `syncs`), and the CPU 
 stream-ordered copy. Reusing one set is safe: the next layer's synchronisation also waits for the previous copy
 back. On the CPU the buffers are bypassed unless `stage_on_cpu` (tests use it to run the GPU logic in CI).
 
-`Deferral` is KTransformers' expert deferral (policy.deferred_experts = D; placement's DeferredCpuExperts): each
+`Deferral` is KTransformers' expert deferral (policy.cpu.deferred_experts = D; placement's DeferredCpuExperts): each
 token's D lowest-weighted experts run after the others, overlapping the next layer's attention; their output joins
 the residual stream one MoE layer late (the last layer waits for its own). It changes the model's output slightly,
 so it is off by default.
@@ -95,7 +95,7 @@ class Deferral:
     def start(self, layer, x_h, w_h, ids_h, like):
         k = ids_h.shape[1]
         if not 0 < self.deferred < k:
-            raise ValueError(f"policy.deferred_experts={self.deferred} must be below the {k} experts per token")
+            raise ValueError(f"policy.cpu.deferred_experts={self.deferred} must be below the {k} experts per token")
         order = w_h.argsort(dim=1, descending=True)
         now, late = order[:, : k - self.deferred], order[:, k - self.deferred:]
         out_now = torch.empty(x_h.shape, dtype=torch.float32)

@@ -1,8 +1,9 @@
-"""Which CPU kernel variant runs: `policy.cpu_kernel`, else the HYBRID_CPU_KERNEL environment variable, else the
+"""Which CPU kernel variant runs: `policy.cpu.kernel`, else the HYBRID_CPU_KERNEL environment variable, else the
 best the CPU has (avx512_bf16 > avx2 > generic)."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from hybrid import _native
 
@@ -10,12 +11,12 @@ VARIANTS = ("avx512_bf16", "avx2", "generic")
 ENV = "HYBRID_CPU_KERNEL"
 
 
-def kernel_name(requested: str = "auto") -> str:
-    """The variant to ask for: an explicit request wins, then the environment, then auto."""
-    return requested if requested != "auto" else os.environ.get(ENV, "auto")
+def kernel_name(requested: Optional[str] = "auto") -> str:
+    """The variant to ask for: an explicit request wins, then the environment, then auto (None: as auto)."""
+    return requested if requested not in (None, "auto") else os.environ.get(ENV, "auto")
 
 
-def selected(requested: str = "auto") -> str:
+def selected(requested: Optional[str] = "auto") -> str:
     """The variant that runs; a variant this CPU lacks raises ValueError naming the missing features."""
     return _native.selected_isa(kernel_name(requested))
 

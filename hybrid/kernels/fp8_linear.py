@@ -1,6 +1,6 @@
 """FP8 block-scaled linear on the GPU: y = x · (q ⊙ s)ᵀ, q [N, K] FP8 E4M3 with one scale per 128×128 block.
 
-Two ways, chosen by `policy.gpu_fp8_gemm` (an `Fp8Gemm`, handed to the code that multiplies):
+Two ways, chosen by `policy.gpu.fp8_gemm` (an `Fp8Gemm`, handed to the code that multiplies):
 - `triton`: a Triton GEMM that reads the FP8 weights directly, converts each tile to BF16 in registers, multiplies
   on the tensor cores with FP32 accumulation and applies the block's scale once per 128-wide K block (post-scaling,
   as the CPU kernels do). Nothing is written besides y.
@@ -66,17 +66,19 @@ TILES = ((16, Tile(16, 128, 128, 4, 3)), (256, Tile(64, 128, 128, 4, 3)), (None,
 
 @dataclass(frozen=True)
 class Fp8Gemm:
-    """How x goes through FP8 weights: the backend (`policy.gpu_fp8_gemm`), the row count from which `auto`
-    dequantises (`policy.gpu_fp8_dequant_rows`) and the Triton tiles by rows of x (TILES' form)."""
+    """How x goes through FP8 weights: the backend (`policy.gpu.fp8_gemm`), the row count from which `auto`
+    dequantises (`policy.gpu.fp8_dequant_rows`) and the Triton tiles by rows of x (TILES' form). The policy's values
+    are checked by the schema; the checks here are for direct callers (benchmarks, tests)."""
     backend: str = "triton"
     dequant_from_rows: int = 512
     tiles: tuple[tuple[Optional[int], Tile], ...] = TILES
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
-            raise ValueError(f"policy.gpu_fp8_gemm must be one of {BACKENDS}, got {self.backend!r}")
+            raise ValueError(f"Fp8Gemm backend (policy.gpu.fp8_gemm) must be one of {BACKENDS}, got {self.backend!r}")
         if self.dequant_from_rows < 1:
-            raise ValueError(f"policy.gpu_fp8_dequant_rows must be >= 1, got {self.dequant_from_rows}")
+            raise ValueError(f"Fp8Gemm dequant_from_rows (policy.gpu.fp8_dequant_rows) must be >= 1, got "
+                             f"{self.dequant_from_rows}")
         limits = [limit for limit, _ in self.tiles]
         if not limits or limits[-1] is not None or None in limits[:-1] or limits[:-1] != sorted(set(limits[:-1])):
             raise ValueError(f"Fp8Gemm tiles: row limits increasing, the last one None (more rows), got {limits}")
@@ -133,7 +135,7 @@ class Fp8Gemm:
         return y_MN.view(*x.shape[:-1], n)
 
 
-DEFAULT_GEMM = Fp8Gemm()  # policy.gpu_fp8_gemm's defaults
+DEFAULT_GEMM = Fp8Gemm()  # policy.gpu's defaults
 
 
 def _check_layout(q: torch.Tensor, scale: torch.Tensor, block) -> None:

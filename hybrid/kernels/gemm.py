@@ -20,5 +20,5 @@ def gemm(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
 
 
 def set_tile_min_tokens(m: int) -> None:
-    """From `m` tokens on, each FP8 weight tile is converted to BF16 once and reused (policy.cpu_gemm_tile_tokens)."""
+    """From `m` tokens on, each FP8 weight tile is converted to BF16 once and reused (policy.cpu.gemm_tile_tokens)."""
     _native.set_tile_min_m(m)

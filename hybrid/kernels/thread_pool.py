@@ -1,4 +1,4 @@
-"""The native kernels' thread pool (csrc/thread_pool.cpp): pinned workers, sized from `policy.cpu_threads`."""
+"""The native kernels' thread pool (csrc/thread_pool.cpp): pinned workers, sized from `policy.cpu.threads`."""
 from hybrid import _native
 
 

@@ -41,12 +41,12 @@ class Ring:
     def __init__(self, ring_len: int, fields: dict[str, Field], slot_bytes: int, device: torch.device,
                  budget_bytes: float):
         if ring_len < 1:
-            raise ConfigError(f"policy.ring_len must be >= 1, got {ring_len}")
+            raise ConfigError(f"ring_len (policy.prefill.ring_len) must be >= 1, got {ring_len}")
         if ring_len * slot_bytes > budget_bytes:
             raise ConfigError(
-                f"the stream-loading ring needs policy.ring_len={ring_len} x {slot_bytes / 1e6:.1f} MB = "
+                f"the stream-loading ring needs policy.prefill.ring_len={ring_len} x {slot_bytes / 1e6:.1f} MB = "
                 f"{ring_len * slot_bytes / 1e9:.2f} GB, over the {budget_bytes / 1e9:.2f} GB the GPU budget leaves: "
-                "lower policy.ring_len or raise policy.gpu_memory_budget_gb")
+                "lower policy.prefill.ring_len or raise policy.gpu.memory_budget_gb")
         self.fields, self.slot_bytes, self.ring_len, self.device = fields, slot_bytes, ring_len, device
         self.memory = torch.empty(ring_len * slot_bytes, dtype=torch.uint8, device=device)
         self._views: dict = {}  # (slot, name, shape) -> tensor: made once, looked up per expert after that

@@ -52,8 +52,8 @@ class HostExpertLayer(Protocol):
 # The loader and unloader need the GIL for a moment per expert while the model thread launches kernels; at
 # Python's default 5 ms switch interval a hand-off can wait longer than an expert's copy takes (~0.8 ms).
 SWITCH_INTERVAL_S = 2e-4
-# policy.slp_group_experts=auto where a grouped GEMM applies. H200, 1 dense + 1 MoE layer, 32K tokens: 1 expert at a
-# time 0.414 s, groups of 16 0.347 s, 32 0.352 s, 64 0.366 s (docs/perf-notes.md).
+# policy.prefill.slp_group_experts=null where a grouped GEMM applies. H200, 1 dense + 1 MoE layer, 32K tokens: 1
+# expert at a time 0.414 s, groups of 16 0.347 s, 32 0.352 s, 64 0.366 s (docs/perf-notes.md).
 AUTO_GROUP = 16
 
 
@@ -297,7 +297,7 @@ class StreamLoader:
         """No grouped GEMM for activations like x from now on, with a warning; False."""
         self.no_grouped_gemm.add((x.device.type, x.dtype))
         warnings.warn(f"stream-loading prefill: no grouped GEMM for {x.dtype} on {x.device.type} ({why}); "
-                      "policy.slp_group_experts falls back to one expert at a time", stacklevel=3)
+                      "policy.prefill.slp_group_experts falls back to one expert at a time", stacklevel=3)
         return False
 
     @contextlib.contextmanager
@@ -339,11 +339,11 @@ def grouped_gemm_missing(device: torch.device, dtype: torch.dtype) -> Optional[s
     return None
 
 
-def group_size(setting: str, device: torch.device, dtype: torch.dtype) -> int:
-    """policy.slp_group_experts as a number: `auto` is AUTO_GROUP where a grouped GEMM applies, else 1 (quietly;
-    a number asked for where none applies warns at the first prefill)."""
-    if setting != "auto":
-        return int(setting)
+def group_size(setting: Optional[int], device: torch.device, dtype: torch.dtype) -> int:
+    """policy.prefill.slp_group_experts as a number: None (auto) is AUTO_GROUP where a grouped GEMM applies, else 1
+    (quietly; a number asked for where none applies warns at the first prefill)."""
+    if setting is not None:
+        return setting
     return AUTO_GROUP if grouped_gemm_missing(device, dtype) is None else 1
 
 

@@ -25,7 +25,7 @@ def test_projection_scales_moe_and_dense_layers_separately():
 
 def test_decode_bench_records_on_the_cpu():
     s = to_settings(compose(["mode=bench", "bench=decode", "bench.contexts=[16,48]", "bench.steps=2",
-                             "bench.roof_gb=0.05", "policy.max_context=64", "tracking.enabled=false"]))
+                             "bench.roof_gb=0.05", "policy.kv.max_context=64", "tracking.enabled=false"]))
     report = bench(s, "auto", detect())
     names = {r["name"] for r in report["records"]}
     assert {"read_roof", "tpot", "decode_vs_expert_bound", "gpu_idle_fraction", "cpu_idle_fraction",

@@ -50,8 +50,8 @@ def test_slo_json_line(tmp_path, tiny_dir):
 
 
 def test_slo_bad_sizes_fail_clearly(tmp_path):
-    p = hybrid("bench.batch=7", runs=tmp_path)  # policy.batch_cap = 6
-    assert p.returncode == 2 and "bench.batch (7) exceeds policy.batch_cap (6)" in p.stderr
+    p = hybrid("bench.batch=7", runs=tmp_path)  # policy.decode.batch_cap = 6
+    assert p.returncode == 2 and "bench.batch (7) exceeds policy.decode.batch_cap (6)" in p.stderr
     assert "Traceback" not in p.stderr
 
 

@@ -5,6 +5,8 @@ not in the defaults list: a profile is appended with `+hw=NAME`.
 """
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import yaml
 from hydra import initialize_config_dir
@@ -13,7 +15,8 @@ from hydra.errors import ConfigCompositionException, HydraException, MissingConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from hybrid.config import CONF_DIR, HybridConfig, compose, to_settings
-from hybrid.config.schema import CpuSpec, GpuSpec, Mode, PolicyConfig
+from hybrid.config.compose import unknown_override
+from hybrid.config.schema import KERNELS, CpuSpec, GpuSpec, Mode, PolicyConfig
 from hybrid.model.args import ModelArgs
 from hybrid.weights.presets import hf_config
 
@@ -30,6 +33,14 @@ def _yaml(group: str, name: str) -> dict:
 
 def _settings(overrides: list[str]) -> HybridConfig:
     return to_settings(compose(overrides))
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """{"cpu": {"threads": 2}} -> {"cpu.threads": 2}"""
+    out = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+    return out
 
 
 def _needs_path(name: str) -> bool:
@@ -57,6 +68,17 @@ def test_default_config():
     assert s.model.name == "tiny" and s.model.synthetic is not None and s.model.path is None
     assert s.hw.name == "auto"
     assert s.policy == PolicyConfig() and s.mode == Mode.generate
+
+
+def test_policy_null_is_auto():
+    """The policy's knobs decided at build are null by default; a value or null again is taken on the command line."""
+    p = _settings([]).policy
+    assert (p.cpu.threads, p.cpu.kernel, p.prefill.ring_len, p.prefill.slp_chunk_tokens, p.prefill.slp_group_experts,
+            p.gpu.memory_budget_gb) == (None,) * 6
+    p = _settings(["policy.cpu.threads=2", "policy.cpu.kernel=generic", "policy.prefill.ring_len=8",
+                   "policy.gpu.memory_budget_gb=40"]).policy
+    assert (p.cpu.threads, p.cpu.kernel, p.prefill.ring_len, p.gpu.memory_budget_gb) == (2, "generic", 8, 40.0)
+    assert _settings(["+hw=cpu_only", "policy.cpu.threads=null"]).policy.cpu.threads is None
 
 
 @pytest.mark.parametrize("name", _options("model"))
@@ -110,8 +132,9 @@ def test_hw_profile(name):
 def test_policy(name):
     s = _settings([f"policy={name}"])
     assert isinstance(s.policy, PolicyConfig)
-    for key, value in _yaml("policy", name).items():
-        assert getattr(s.policy, key) == value, f"policy={name}: {key}"
+    composed = _flat(asdict(s.policy))
+    for key, value in _flat(_yaml("policy", name)).items():
+        assert key in composed and composed[key] == value, f"policy={name}: {key}"
     if name == "default":
         assert s.policy == PolicyConfig(), "conf/policy/default.yaml differs from the schema's defaults"
 
@@ -132,20 +155,37 @@ def test_groups_combine(model, hw):
 # ------------------------------------------------------------------------------------------------- failures
 
 def test_unknown_key():
-    with pytest.raises(ConfigCompositionException, match=r"policy\.ring_lenn") as e:
-        compose(["policy.ring_lenn=3"])
-    assert "+policy.ring_lenn" in str(e.value)  # Hydra's hint; a schema node refuses it anyway
+    with pytest.raises(ConfigCompositionException, match=r"policy\.prefill\.ring_lenn") as e:
+        compose(["policy.prefill.ring_lenn=3"])
+    assert "+policy.prefill.ring_lenn" in str(e.value)  # Hydra's hint; a schema node refuses it anyway
 
 
 def test_unknown_key_appended_is_still_refused():
     """`+` must not smuggle a misspelt knob past the schema (it would be silently ignored)."""
     with pytest.raises((OmegaConfBaseException, HydraException, ValueError)) as e:
-        to_settings(compose(["+policy.ring_lenn=3"]))
-    assert "ring_lenn" in str(e.value) + str(e.value.__cause__)
+        to_settings(compose(["+policy.prefill.ring_lenn=3"]))
+    assert "policy.prefill.ring_lenn" in str(e.value) + str(e.value.__cause__)
+
+
+def test_policy_kernel_choices_are_the_native_variants():
+    from hybrid.kernels.dispatch import VARIANTS
+
+    assert KERNELS == VARIANTS
+
+
+def test_unknown_override_is_named_in_one_line():
+    """What the command lines check before Hydra composes (whose own error spans several lines)."""
+    assert unknown_override(["policy.kv.max_context=128", "model=tiny", "+hw=cpu_only", "~policy.cpu",
+                             "model.synthetic.num_hidden_layers=2", "hydra.run.dir=x", "--cfg", "job"]) is None
+    assert unknown_override(["policy.kv.max_contxt=1"]) == (
+        "unknown config key policy.kv.max_contxt (known: max_batch, max_context)")
+    assert "now policy.prefill.ring_len" in unknown_override(["policy.ring_len=8"])
+    assert unknown_override(["hw.cpu.core=2"]).startswith("unknown config key hw.cpu.core (known: cores,")
 
 
 @pytest.mark.parametrize("override, expect", [
-    ("policy.batch_cap=abc", "could not be converted to Integer"),
+    ("policy.decode.batch_cap=abc", "could not be converted to Integer"),
+    ("policy.prefill.ring_len=auto", "could not be converted to Integer"),  # null is auto
     ("policy.adapt_to_hardware=maybe", "not a valid bool"),
     ("max_new_tokens=1.5", "could not be converted to Integer"),
     ("output=xml", "expected one of [text, json]"),
@@ -162,16 +202,23 @@ def test_wrong_type(override, expect):
 
 
 @pytest.mark.parametrize("overrides, knob", [
-    (["policy.ring_len=zero"], "policy.ring_len"),
-    (["policy.ring_len=0"], "policy.ring_len"),
-    (["policy.slp_group_experts=0"], "policy.slp_group_experts"),
-    (["policy.slp_group_experts=many"], "policy.slp_group_experts"),
-    (["policy.batch_cap=99"], "policy.batch_cap"),  # > max_batch (8)
-    (["policy.max_batch=4"], "policy.max_batch"),  # < batch_cap (6)
-    (["policy.max_batch=0"], "policy.max_batch"),
-    (["policy.cpu_kernel=avx9"], "policy.cpu_kernel"),
-    (["policy.cpu_threads=-1"], "policy.cpu_threads"),
-    (["policy.max_context=0"], "policy.max_context"),
+    (["policy.prefill.ring_len=0"], "policy.prefill.ring_len"),
+    (["policy.prefill.slp_group_experts=0"], "policy.prefill.slp_group_experts"),
+    (["policy.prefill.slp_chunk_tokens=0"], "policy.prefill.slp_chunk_tokens"),  # null is auto
+    (["policy.prefill.chunk_tokens=0"], "policy.prefill.chunk_tokens"),
+    (["policy.decode.batch_cap=99"], "policy.decode.batch_cap"),  # > kv.max_batch (8)
+    (["policy.kv.max_batch=4"], "policy.kv.max_batch"),  # < decode.batch_cap (6)
+    (["policy.kv.max_batch=0"], "policy.kv.max_batch"),
+    (["policy.kv.max_context=0"], "policy.kv.max_context"),
+    (["policy.cpu.kernel=avx9"], "policy.cpu.kernel"),
+    (["policy.cpu.kernel=auto"], "policy.cpu.kernel"),  # null is auto
+    (["policy.cpu.threads=0"], "policy.cpu.threads"),  # null is all physical cores
+    (["policy.cpu.moe_backend=numpy"], "policy.cpu.moe_backend"),
+    (["policy.decode.cuda_graphs=always"], "policy.decode.cuda_graphs"),
+    (["policy.gpu.memory_budget_gb=0"], "policy.gpu.memory_budget_gb"),  # null is all free memory
+    (["policy.gpu.weights=int4"], "policy.gpu.weights"),
+    (["policy.gpu.fp8_gemm=cutlass"], "policy.gpu.fp8_gemm"),
+    (["policy.gpu.experts_per_layer=-1"], "policy.gpu.experts_per_layer"),
     (["top_p=0"], "top_p"),
     (["top_p=1.5"], "top_p"),
     (["temperature=-0.1"], "temperature"),

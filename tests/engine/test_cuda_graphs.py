@@ -32,7 +32,7 @@ def test_kv_bucket_reads_little_more_than_needed():
     for n in range(1, 1 << 15, 97):
         assert n <= kv_bucket(n, 1 << 15) <= max(n + MIN_BUCKET, n * 5 / 4)
     for bad in (0, 4097):
-        with pytest.raises(ValueError, match="policy.max_context"):
+        with pytest.raises(ValueError, match=r"policy\.kv\.max_context"):
             kv_bucket(bad, 4096)
 
 
@@ -127,7 +127,7 @@ def test_graphed_decode_matches_eager(mode):
     outputs = []
     for graphs in ("off", mode):
         s = to_settings(compose(["+hw=h200_xeon16", "policy.adapt_to_hardware=true", "model.dtype=float32",
-                                 f"policy.cuda_graphs={graphs}", "policy.max_batch=2", "policy.batch_cap=2"]))
+                                 f"policy.decode.cuda_graphs={graphs}", "policy.kv.max_batch=2", "policy.decode.batch_cap=2"]))
         engine = build(s, s.hw, progress=False)
         assert (engine.parts["graphs"] is None) == (graphs == "off") and engine.plan.cuda_graphs == graphs
         prompts = [list(range(2, 40)), list(range(50, 61))]  # two sequences, then one after the other ends
@@ -136,7 +136,7 @@ def test_graphed_decode_matches_eager(mode):
         if graphs != "off":
             last_kv = max(len(p) + len(o) for p, o in zip(prompts, out)) - 1  # the last token fed back
             buckets = {k[1] for k in engine.parts["graphs"].graphs}
-            assert min(buckets) == MIN_BUCKET and max(buckets) == kv_bucket(last_kv, s.policy.max_context)
+            assert min(buckets) == MIN_BUCKET and max(buckets) == kv_bucket(last_kv, s.policy.kv.max_context)
     assert outputs[0] == outputs[1]
 
 
@@ -147,7 +147,7 @@ def test_graphed_decode_serves_a_changing_set_of_slots_with_solo_tokens():
     from tests.engine.test_serving import _drive, _greedy
 
     overrides = ["+hw=h200_xeon16", "policy.adapt_to_hardware=true", "model.dtype=float32",
-                 "policy.cuda_graphs=hostfn", "policy.max_batch=3", "policy.batch_cap=3", "policy.max_context=512"]
+                 "policy.decode.cuda_graphs=hostfn", "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "policy.kv.max_context=512"]
     s = to_settings(compose(overrides))
     engine = build(s, s.hw, progress=False)
     v = engine.model.args.vocab_size

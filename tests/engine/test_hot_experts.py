@@ -1,4 +1,4 @@
-"""Hot experts resident on the compute device (policy.gpu_experts_per_layer): the device-side logic runs here on the
+"""Hot experts resident on the compute device (policy.gpu.experts_per_layer): the device-side logic runs here on the
 CPU stand-in, with the staged hand-off forced on; the engine's refusal without a GPU."""
 from __future__ import annotations
 
@@ -93,8 +93,8 @@ def test_greedy_decode_with_resident_experts_follows_the_all_cpu_engine(tiny_dir
 
 
 def test_engine_refuses_resident_experts_without_a_gpu():
-    s = to_settings(compose(["+hw=cpu_only", "policy.gpu_experts_per_layer=2"]))
-    with pytest.raises(ConfigError, match="gpu_experts_per_layer.*without one"):
+    s = to_settings(compose(["+hw=cpu_only", "policy.gpu.experts_per_layer=2"]))
+    with pytest.raises(ConfigError, match=r"policy\.gpu\.experts_per_layer.*without one"):
         build(s, s.hw, progress=False)
     with pytest.raises(ValueError, match="between 1 and the 16"):
         HotExperts(cpu_experts(_model_from_settings())[0].host_experts, 17, CPU)
@@ -110,7 +110,7 @@ def test_gpu_engine_with_resident_experts_matches_without():
     outputs = []
     for n in (0, 4):
         s = to_settings(compose(["+hw=h200_xeon16", "policy.adapt_to_hardware=true", "model.dtype=float32",
-                                 f"policy.gpu_experts_per_layer={n}"]))
+                                 f"policy.gpu.experts_per_layer={n}"]))
         engine = build(s, s.hw, progress=False)
         outputs.append([engine.generate([list(range(2, 40))], SamplingParams(16))[0].output_ids])
         if n:

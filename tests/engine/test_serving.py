@@ -174,7 +174,8 @@ def test_bad_requests_fail_alone_with_a_clear_reason(tiny_model):
     engine = _engine(tiny_model)
     good = engine.add_request(_prompt(5, 1, v), _greedy(6))
     tokens = [t for o in engine.step() for t in o.new_token_ids]
-    with pytest.raises(RequestError, match=r"90 tokens \+ max_tokens 10 = 100 exceeds the 96 .*policy.max_context"):
+    with pytest.raises(RequestError,
+                       match=r"90 tokens \+ max_tokens 10 = 100 exceeds the 96 .*policy\.kv\.max_context"):
         engine.add_request(_prompt(90, 2, v), _greedy(10))
     with pytest.raises(RequestError, match=f"token id {v} out of range 0..{v - 1}"):
         engine.add_request([3, v, 4], _greedy(2))

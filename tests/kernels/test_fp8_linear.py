@@ -69,11 +69,11 @@ def test_tiles_parse_and_pick_by_rows():
 
 
 def test_unknown_backend_bad_row_threshold_and_unordered_tiles_are_refused():
-    with pytest.raises(ValueError, match="policy.gpu_fp8_gemm"):
+    with pytest.raises(ValueError, match=r"policy\.gpu\.fp8_gemm"):
         fl.Fp8Gemm("cublas")
-    with pytest.raises(ValueError, match="policy.gpu_fp8_dequant_rows"):
+    with pytest.raises(ValueError, match=r"policy\.gpu\.fp8_dequant_rows"):
         fl.Fp8Gemm("auto", 0)
-    with pytest.raises(ValueError, match="policy.gpu_fp8_gemm"):
+    with pytest.raises(ValueError, match=r"policy\.gpu\.fp8_gemm"):
         fl.DEFAULT_GEMM.with_(backend="cublas")
     tile = fl.Tile.parse("64x128x128/4/3")
     for tiles in ((), ((16, tile),), ((256, tile), (16, tile), (None, tile)),

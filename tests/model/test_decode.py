@@ -67,7 +67,7 @@ def test_generation_stops_at_eos_and_respects_limits(tiny_model):
     for bad, msg in (([], "empty"), ([m.args.vocab_size], "out of range")):
         with pytest.raises(RequestError, match=msg):
             engine.add_request(bad, SamplingParams(4))
-    with pytest.raises(RequestError, match="policy.max_context"):
+    with pytest.raises(RequestError, match=r"policy\.kv\.max_context"):
         engine.add_request(prompt, SamplingParams(12))
 
 

@@ -73,7 +73,7 @@ def test_a_ring_of_the_same_shape_is_reused_by_the_next_prefill(tiny_dir):
     with other.streaming(hybrid, CPU, 5, BIG) as pipe:  # another loader keeps its own
         hybrid(tokens, pos)
     assert pipe.ring is not rings[2] and loader.kept is rings[2] and other.kept is pipe.ring
-    with pytest.raises(ConfigError, match="policy.ring_len"):  # a kept ring never bypasses the budget
+    with pytest.raises(ConfigError, match=r"policy\.prefill\.ring_len"):  # a kept ring never bypasses the budget
         loader.streaming(hybrid, CPU, 5, 4 * rings[2].slot_bytes).__enter__()
     assert loader.kept is None and loader.kept_ring_bytes(CPU) == 0, "let go before the new one was refused"
 
@@ -231,7 +231,7 @@ def test_where_the_grouped_gemm_fails_the_experts_go_one_at_a_time(tiny_dir, mon
 
     monkeypatch.setattr(torch, "_grouped_mm", unsupported)
     loader = StreamLoader()
-    with pytest.warns(UserWarning, match="slp_group_experts"):
+    with pytest.warns(UserWarning, match=r"policy\.prefill\.slp_group_experts"):
         got, pipe = _streamed_layer(hybrid, 8, x, w, ids, loader=loader)
     assert (got - ref(x, w, ids)).abs().max() <= 1e-5
     assert loader.no_grouped_gemm == {("cpu", torch.float32)}
@@ -304,7 +304,7 @@ def test_the_streamed_experts_multiply_through_the_loaders_gemm_or_the_one_asked
 
 def test_budget_too_small_for_the_ring_names_the_knob(tiny_dir):
     _, hybrid = _models(tiny_dir)
-    with pytest.raises(ConfigError, match=r"policy\.ring_len=4 .*gpu_memory_budget_gb"):
+    with pytest.raises(ConfigError, match=r"policy\.prefill\.ring_len=4 .*policy\.gpu\.memory_budget_gb"):
         with streaming(hybrid, CPU, 4, 1000):
             pass
 
@@ -403,13 +403,13 @@ def test_chunked_slp_prefill_equals_one_pass(tiny_dir):
 
 
 def test_auto_groups_where_a_grouped_gemm_applies_and_quietly_goes_one_at_a_time_elsewhere(monkeypatch):
-    assert slp.group_size("auto", CPU, torch.float32) == slp.AUTO_GROUP > 1
-    assert slp.group_size("5", CPU, torch.float32) == 5
+    assert slp.group_size(None, CPU, torch.float32) == slp.AUTO_GROUP > 1
+    assert slp.group_size(5, CPU, torch.float32) == 5
     monkeypatch.delattr(torch, "_grouped_mm")
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # auto asks for nothing in particular: no warning
-        assert slp.group_size("auto", CPU, torch.float32) == 1
-    assert slp.group_size("5", CPU, torch.float32) == 5  # asked for: kept, warned of at the first prefill
+        warnings.simplefilter("error")  # auto (None) asks for nothing in particular: no warning
+        assert slp.group_size(None, CPU, torch.float32) == 1
+    assert slp.group_size(5, CPU, torch.float32) == 5  # asked for: kept, warned of at the first prefill
     assert "needs >= 2.8" in slp.grouped_gemm_missing(CPU, torch.float32)
 
 
@@ -432,5 +432,5 @@ def test_auto_chunk_fits_the_budget():
     assert auto_chunk(a, 1e15, slot) == 0  # everything fits: one pass
     chunk = auto_chunk(a, 8e9, slot)
     assert 0 < chunk and activation_bytes(a, chunk) + 2 * slot <= 8e9 and chunk % 256 == 0
-    with pytest.raises(ConfigError, match="gpu_memory_budget_gb"):
+    with pytest.raises(ConfigError, match=r"policy\.gpu\.memory_budget_gb or set policy\.prefill\.slp_chunk_tokens"):
         auto_chunk(a, 2 * slot, slot)

@@ -38,7 +38,7 @@ def test_six_trials_end_to_end(conf, mlflow_runs, tmp_path):
     assert len(children) == 6
     for r in children:
         assert r.info.status == "FINISHED"
-        assert {"policy.cpu_threads", "policy.cpu_gemm_tile_tokens", "policy.moe_backend", "policy.cpu_kernel",
+        assert {"policy.cpu.threads", "policy.cpu.gemm_tile_tokens", "policy.cpu.moe_backend", "policy.cpu.kernel",
                 "hw.name", "model.name"} <= set(r.data.params)
         assert {"ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s", "objective.decode_tok_s"} <= set(r.data.metrics)
         files = {a.path for a in c.list_artifacts(r.info.run_id)} | {
@@ -52,5 +52,12 @@ def test_six_trials_end_to_end(conf, mlflow_runs, tmp_path):
     shown = subprocess.run([sys.executable, "-m", "hybrid", "+hw=cpu_only", "--cfg", "job"], capture_output=True,
                            text=True, env={**os.environ, "HYBRID_CONF_DIR": str(conf)}, timeout=120)
     policy = yaml.safe_load(shown.stdout)["policy"]
-    assert {k: policy[k] for k in best.params} == best.params, shown.stdout
+    assert {k: _at(policy, k) for k in best.params} == best.params, shown.stdout
     assert f"trial: {best.number}" in (conf / "policy" / "cpu_only.yaml").read_text()
+
+
+def _at(tree: dict, path: str):
+    """tree["cpu"]["threads"] for "cpu.threads": a knob of the policy by its path (the Optuna parameter's name)."""
+    for part in path.split("."):
+        tree = tree[part]
+    return tree

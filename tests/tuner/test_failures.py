@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
 from mlflow.tracking import MlflowClient
 
 from tests.tuner.conftest import FAST, FAULTY, alive, ensure_tiny, env_for, load, tune
@@ -37,17 +38,18 @@ def test_crash_and_deadline_fail_the_trial_not_the_sweep(conf, mlflow_runs, tmp_
     children = {int(r.data.tags["optuna.trial"]): r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent}
     assert sorted(children) == [0, 1, 2]
     assert [children[n].info.status for n in (0, 1, 2)] == ["FAILED", "FAILED", "FINISHED"]
-    assert children[1].data.tags["outcome"] == "deadline" and "policy.cpu_threads" in children[1].data.params
+    assert children[1].data.tags["outcome"] == "deadline" and "policy.cpu.threads" in children[1].data.params
     ok = children[2]
     assert {"ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s", "objective.decode_tok_s"} <= set(ok.data.metrics)
     assert ok.data.params["hw.name"] == "cpu_only" and ok.data.params["model.name"] == "tiny"
-    assert {"policy.cpu_threads", "policy.moe_backend", "hw.cpu.cores", "run.threads"} <= set(ok.data.params)
+    assert {"policy.cpu.threads", "policy.cpu.moe_backend", "hw.cpu.cores", "run.threads"} <= set(ok.data.params)
     files = {a.path for a in c.list_artifacts(ok.info.run_id)} | {a.path for a in c.list_artifacts(ok.info.run_id,
                                                                                                        "plots")}
     assert {"config.yaml", "report.json", "plots/report_card.png", "plots/of_bound.png"} <= files, files
     assert 0 < ok.data.metrics["decode_tok_s.of_bound"] < 1, "achieved ÷ bound"
     config = Path(c.download_artifacts(ok.info.run_id, "config.yaml", str(tmp_path))).read_text()
-    assert "mode: bench" in config and "name: cpu_only" in config and "cpu_threads:" in config
+    assert "mode: bench" in config and "name: cpu_only" in config
+    assert "threads" in yaml.safe_load(config)["policy"]["cpu"]
     plots = {a.path for a in c.list_artifacts(parent, "plots")}
     assert {"plots/optimization_history.png", "plots/pareto_front.png"} <= plots, plots
     assert "best_policy.yaml" in {a.path for a in c.list_artifacts(parent)}

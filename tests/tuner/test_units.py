@@ -15,7 +15,7 @@ from hybrid.config.compose import to_settings
 from hybrid.config.schema import PolicyConfig, register as register_engine
 from tests.tuner.conftest import alive
 from tuner import policy, space as sp, trial
-from tuner.config import TuneConfig, register as register_tuner
+from tuner.config import TuneConfig, flat_params, register as register_tuner
 from tuner.select import knee, pareto_front
 from tuner.study import counted, trial_overrides
 
@@ -46,10 +46,10 @@ def test_space_from_conf_resolved_for_the_machine(tune_cfg):
     assert isinstance(cfg, TuneConfig) and cfg.bench.name == "slo" and cfg.hw.name == "cpu_only"
     assert cfg.policy == PolicyConfig(), "the engine's values survive the tuner's schema"
     space = sp.resolve(cfg, cores=4, kernels=["avx2", "generic"])
-    assert space["cpu_threads"] == {"type": "int", "low": 1, "high": 4, "log": False}
-    assert space["cpu_kernel"]["choices"] == ["auto", "avx2", "generic"]  # avx512_bf16 dropped: this CPU lacks it
-    assert space["cpu_gemm_tile_tokens"]["choices"] == [8, 16, 32, 64, 128]
-    assert space["moe_backend"]["choices"] == ["native", "torch"]
+    assert space["cpu.threads"] == {"type": "int", "low": 1, "high": 4, "log": False}
+    assert space["cpu.kernel"]["choices"] == [None, "avx2", "generic"]  # avx512_bf16 dropped: this CPU lacks it
+    assert space["cpu.gemm_tile_tokens"]["choices"] == [8, 16, 32, 64, 128]
+    assert space["cpu.moe_backend"]["choices"] == ["native", "torch"]
 
 
 def test_space_overridable_and_versioned(tune_cfg):
@@ -57,9 +57,11 @@ def test_space_overridable_and_versioned(tune_cfg):
     s0 = sp.resolve(base, 2, ["avx2"])
     name0 = sp.study_name(base, s0)
     assert name0.startswith("cpu_only-tiny-constrained-v")
-    narrowed = tune_cfg("tuner.space.cpu_gemm_tile_tokens.choices=[16,64]", "~tuner.space.moe_backend")
+    narrowed = tune_cfg("tuner.space.cpu.gemm_tile_tokens.choices=[16,64]", "~tuner.space.cpu.moe_backend",
+                        "tuner.space.cpu.threads.high=4")
     s1 = sp.resolve(narrowed, 2, ["avx2"])
-    assert s1["cpu_gemm_tile_tokens"]["choices"] == [16, 64] and "moe_backend" not in s1
+    assert s1["cpu.gemm_tile_tokens"]["choices"] == [16, 64] and "cpu.moe_backend" not in s1
+    assert s1["cpu.threads"]["high"] == 4
     assert sp.study_name(narrowed, s1) != name0, "another space is another study"
     pareto = tune_cfg("tuner.objective=pareto")
     assert sp.directions(pareto) == ["minimize", "minimize"]
@@ -69,38 +71,61 @@ def test_space_overridable_and_versioned(tune_cfg):
 
 
 def test_space_rejects_what_is_not_a_knob(tune_cfg):
-    with pytest.raises(Exception, match="not a policy knob"):
-        tune_cfg("+tuner.space.nope={type:int,low:1,high:2}")
+    for bad in ("+tuner.space.nope={type:int,low:1,high:2}", "+tuner.space.cpu.nope={type:int,low:1,high:2}",
+                "+tuner.space.cpu_threads={type:int,low:1,high:2}"):  # the flat name of before
+        with pytest.raises(Exception, match="not a policy knob"):
+            tune_cfg(bad)
+
+
+def test_space_knobs_join_by_path(tune_cfg):
+    cfg = tune_cfg("+tuner.space.prefill.ring_len={type: categorical, choices: [16, 64]}",
+                   "+tuner.space.kv.max_batch={type: int, low: 6, high: 8}")
+    space = sp.resolve(cfg, 2, ["avx2"])
+    assert space["prefill.ring_len"]["choices"] == [16, 64] and space["kv.max_batch"]["high"] == 8
+    assert trial.command([], {"prefill.ring_len": "16"})[-1] == "policy.prefill.ring_len=16"
 
 
 def test_warm_start_is_the_current_policy(tune_cfg):
-    cfg = tune_cfg("policy.cpu_gemm_tile_tokens=16", "policy.moe_backend=torch")
+    cfg = tune_cfg("policy.cpu.gemm_tile_tokens=16", "policy.cpu.moe_backend=torch")
     space = sp.resolve(cfg, 2, ["avx512_bf16", "avx2", "generic"])
-    assert sp.warm_start(cfg, space, cores=2) == {"cpu_threads": 2, "cpu_gemm_tile_tokens": 16,
-                                                  "moe_backend": "torch", "cpu_kernel": "auto"}
-    cfg = tune_cfg("policy.cpu_gemm_tile_tokens=7")  # outside the space: left to the sampler
-    assert "cpu_gemm_tile_tokens" not in sp.warm_start(cfg, space, cores=2)
+    assert sp.warm_start(cfg, space, cores=2) == {"cpu.threads": 2, "cpu.gemm_tile_tokens": 16,
+                                                  "cpu.moe_backend": "torch", "cpu.kernel": None}
+    cfg = tune_cfg("policy.cpu.gemm_tile_tokens=7")  # outside the space: left to the sampler
+    assert "cpu.gemm_tile_tokens" not in sp.warm_start(cfg, space, cores=2)
 
 
-def test_warm_start_reads_text_knobs_that_hold_numbers(tune_cfg):
-    cfg = tune_cfg("+tuner.space.slp_group_experts={type: categorical, choices: [1, 16, 32]}",
-                   "+tuner.space.ring_len={type: int, low: 2, high: 64}", "policy.slp_group_experts=16")
+def test_null_is_a_choice(tune_cfg):
+    cfg = tune_cfg("+tuner.space.prefill.slp_group_experts={type: categorical, choices: [null, 1, 16]}",
+                   "+tuner.space.prefill.ring_len={type: int, low: 2, high: 64}",
+                   "policy.prefill.slp_group_experts=16")
     space = sp.resolve(cfg, 2, ["avx2"])
     start = sp.warm_start(cfg, space, cores=2)
-    assert start["slp_group_experts"] == 16, "the text '16' is the choice 16"
-    assert "ring_len" not in start, "auto lies in no int range: left to the sampler"
-    cfg = tune_cfg("+tuner.space.ring_len={type: int, low: 2, high: 64}", "policy.ring_len=8")
-    assert sp.warm_start(cfg, sp.resolve(cfg, 2, ["avx2"]), cores=2)["ring_len"] == 8
+    assert start["prefill.slp_group_experts"] == 16
+    assert "prefill.ring_len" not in start, "null (auto) lies in no int range: left to the sampler"
+    assert sp.warm_start(tune_cfg("+tuner.space.prefill.slp_group_experts={type: categorical, choices: [null, 16]}"),
+                         space, cores=2)["prefill.slp_group_experts"] is None
+    cfg = tune_cfg("+tuner.space.prefill.ring_len={type: int, low: 2, high: 64}", "policy.prefill.ring_len=8")
+    assert sp.warm_start(cfg, sp.resolve(cfg, 2, ["avx2"]), cores=2)["prefill.ring_len"] == 8
+    assert sp.as_override_value(None) == "null"
+    assert policy.checked(PolicyConfig(), {"cpu.kernel": None, "prefill.ring_len": 8}).prefill.ring_len == 8
+
+
+def test_enqueued_trials_nested_or_by_path(tune_cfg):
+    cfg = tune_cfg("tuner.enqueue=[{cpu: {threads: 2, kernel: null}}, {cpu.gemm_tile_tokens: 16}]")
+    space = sp.resolve(cfg, 2, ["avx2"])
+    assert [sp.in_space(flat_params(e), space) for e in cfg.tuner.enqueue] == [
+        {"cpu.threads": 2, "cpu.kernel": None}, {"cpu.gemm_tile_tokens": 16}]
 
 
 def test_trials_get_the_users_overrides_but_not_the_tuners():
     got = trial_overrides(["+hw=cpu_only", "model=tiny", "tuner.n_trials=6", "+tuner.x=1", "mode=generate",
-                           "bench=kernels", "output=text", "bench.new_tokens=8", "policy.cpu_threads=3",
-                           "policy.max_batch=4", "tracking.enabled=false"], {"cpu_threads": {}})
-    assert got == ["+hw=cpu_only", "model=tiny", "bench.new_tokens=8", "policy.max_batch=4",
+                           "bench=kernels", "output=text", "bench.new_tokens=8", "policy.cpu.threads=3",
+                           "policy.kv.max_batch=4", "tracking.enabled=false"], {"cpu.threads": {}})
+    assert got == ["+hw=cpu_only", "model=tiny", "bench.new_tokens=8", "policy.kv.max_batch=4",
                    "tracking.enabled=false"]
-    cmd = trial.command(got, {"cpu_threads": "2"})
-    assert cmd[1:6] == ["-m", "hybrid", "mode=bench", "bench=slo", "output=json"] and cmd[-1] == "policy.cpu_threads=2"
+    cmd = trial.command(got, {"cpu.threads": "2", "cpu.kernel": sp.as_override_value(None)})
+    assert cmd[1:6] == ["-m", "hybrid", "mode=bench", "bench=slo", "output=json"]
+    assert cmd[-2:] == ["policy.cpu.threads=2", "policy.cpu.kernel=null"]
 
 
 def test_trial_module_is_configurable_and_checked(tune_cfg):
@@ -136,27 +161,34 @@ def test_counted_trials():
 # ------------------------------------------------------------------------------------------------------- policy
 
 def test_written_policy_is_what_plus_hw_composes(conf):
-    tuned = policy.checked(PolicyConfig(), {"cpu_threads": 1, "cpu_gemm_tile_tokens": 16, "moe_backend": "torch"})
+    tuned = policy.checked(PolicyConfig(), {"cpu.threads": 1, "cpu.gemm_tile_tokens": 16, "cpu.moe_backend": "torch",
+                                            "prefill.ring_len": 16})
     path = policy.write(conf, "cpu_only", tuned, policy.header("s-v1", 3, "decode_tok_s = 100", "sqlite:///x"))
     text = path.read_text()
-    assert text.startswith("# The tuned policy") and "trial: 3" in text and "# Threads of the CPU" in text
+    assert text.startswith("# The tuned policy") and "trial: 3" in text
+    assert "cpu:\n  # Threads of the CPU" in text and "\n  threads: 1\n" in text and "\n  kernel: null\n" in text
+    default = (conf / "policy" / "default.yaml").read_text()
+    comments = [line.strip() for line in default.splitlines() if line.lstrip().startswith("#")]
+    assert all(c in text for c in comments[3:]), "every knob's and group's comment of default.yaml is carried"
     hw_path, changed = policy.select_in_hw_profile(conf, "cpu_only")
     assert changed and "override /policy@_global_.policy: cpu_only" in hw_path.read_text()
     before = hw_path.read_text()
     assert policy.select_in_hw_profile(conf, "cpu_only") == (hw_path, False) and hw_path.read_text() == before
 
     assert engine_cfg(conf, "+hw=cpu_only").policy == tuned
-    assert engine_cfg(conf, "+hw=cpu_only", "policy.cpu_threads=2").policy.cpu_threads == 2  # still overridable
+    assert engine_cfg(conf, "+hw=cpu_only", "policy.cpu.threads=2").policy.cpu.threads == 2  # still overridable
     assert engine_cfg(conf, "+hw=cpu_only", "policy=default").policy == PolicyConfig()  # an explicit choice wins
     assert engine_cfg(conf, "+hw=epyc2x_5090x2").policy == PolicyConfig()  # other profiles: untouched
     assert engine_cfg(conf).policy == PolicyConfig()  # no profile: the default
 
 
 def test_policy_checked_by_the_schema():
-    with pytest.raises(ValueError, match="batch_cap"):
-        policy.checked(PolicyConfig(), {"batch_cap": 99})
-    with pytest.raises(Exception, match="cpu_threads"):
-        policy.checked(PolicyConfig(), {"cpu_threads": "many"})
+    with pytest.raises(ValueError, match=r"policy\.decode\.batch_cap"):
+        policy.checked(PolicyConfig(), {"decode.batch_cap": 99})
+    with pytest.raises(Exception, match=r"cpu\.threads"):
+        policy.checked(PolicyConfig(), {"cpu.threads": "many"})
+    with pytest.raises(Exception, match="cpu_threads"):  # not a knob
+        policy.checked(PolicyConfig(), {"cpu_threads": 2})
 
 
 # -------------------------------------------------------------------------------------------------- a trial run
