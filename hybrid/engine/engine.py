@@ -53,18 +53,18 @@ class Engine:
     def __init__(self, model: Transformer, plan: Plan, tokenizer: Optional[Tokenizer] = None,
                  cache: Optional[KVCache] = None, decode: Optional[DecodeFn] = None,
                  long_prefill: Optional[Callable[[int], ContextManager]] = None,
-                 after_long_prefill: Optional[Callable[[], None]] = None, parts: Optional[dict] = None):
+                 after_prefill: Optional[Callable[[], None]] = None, parts: Optional[dict] = None):
         """cache: the KV slots (default: plan.max_batch x plan.max_context on plan.device); decode: the decode step
-        (default: eager); long_prefill(tokens): the context in which a prompt's chunk of that many tokens is prefilled by
-        stream-loading (None: every prompt takes the chunked path); after_long_prefill: called after one (e.g. move
-        the hottest experts onto the GPU). `parts`: the placement's objects, for benchmarks and tests (staging,
+        (default: eager); long_prefill(tokens): the context in which a prompt's chunk of that many tokens is
+        prefilled by stream-loading (None: every prompt takes the chunked path); after_prefill: called once a
+        prompt is prefilled (e.g. move the hottest experts onto the GPU). `parts`: the placement's objects, for benchmarks and tests (staging,
         graphs, stream loader, hot experts)."""
         self.model, self.tokenizer, self.plan = model, tokenizer, plan
         self.cache = cache or model.new_cache(plan.max_batch, plan.max_context, plan.device)
         self.device = plan.device
         self._decode = decode or self._eager_decode
         self._decoders: dict[str, DecodeFn] = {plan.cuda_graphs: decode} if decode is not None else {}
-        self._long_prefill, self._after_long_prefill = long_prefill, after_long_prefill
+        self._long_prefill, self._after_prefill = long_prefill, after_prefill
         self.parts = dict(parts or {})
         self.eos_id = model.args.eos_token_id
         self.scheduler = Scheduler(self.cache.slots, plan.batch_cap, plan.prefill_chunk_tokens,
@@ -159,6 +159,8 @@ class Engine:
             return
         req.prefilled = chunk.end
         if token is not None:
+            if self._after_prefill is not None:
+                self._after_prefill()
             req.state = State.decoding
             self._append(req, token, changed)
 
@@ -178,8 +180,6 @@ class Engine:
             with self._long_prefill(stop - at, **stream) as pipe:
                 logits = self._forward(prompt[at:stop], at, slot)
             pipes.append(pipe)
-        if self._after_long_prefill is not None:
-            self._after_long_prefill()
         return logits, pipes
 
     def _forward(self, tokens: list[int], start: int, slot: int) -> torch.Tensor:

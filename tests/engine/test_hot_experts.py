@@ -2,8 +2,6 @@
 CPU stand-in, with the staged hand-off forced on; the engine's refusal without a GPU."""
 from __future__ import annotations
 
-import contextlib
-from dataclasses import replace
 
 import pytest
 import torch
@@ -81,9 +79,7 @@ def test_greedy_decode_with_resident_experts_follows_the_all_cpu_engine(tiny_dir
     plan, params = Plan(max_batch=1, max_context=64, batch_cap=1), SamplingParams(12, ignore_eos=True)
     want = Engine(plain, plan).generate([prompt], params)[0].output_ids
     m, hot = _model(tiny_dir, n_hot=4)
-    # cutoff 0: every prompt takes the (stand-in) stream-loading path, after which the hottest experts move in
-    engine = Engine(m, replace(plan, slp_cutoff_tokens=0), long_prefill=lambda tokens, **_: contextlib.nullcontext(),
-                    after_long_prefill=lambda: [h.refresh() for h in hot])
+    engine = Engine(m, plan, after_prefill=lambda: [h.refresh() for h in hot])
     got = engine.generate([prompt], params)[0].output_ids
     assert all(-1 not in h.resident for h in hot), "filled after the prefill"
     assert got[:4] == want[:4]  # the first tokens agree (numerics differ slightly)
