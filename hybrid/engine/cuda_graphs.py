@@ -55,16 +55,13 @@ def kv_bucket(kv_len: int, max_context: int) -> int:
 class HostFunctions:
     """cuLaunchHostFunc from the CUDA driver: enqueue a native host function (an address) on the current stream."""
 
-    _launch = None
-
     def __init__(self):
-        if HostFunctions._launch is None:
-            fn = ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc
-            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
-            HostFunctions._launch = fn
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc  # the driver is loaded once per process by ctypes
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+        self._launch = fn
 
     def launch(self, fn: int, arg: int) -> None:
-        rc = HostFunctions._launch(torch.cuda.current_stream().cuda_stream, fn, arg)
+        rc = self._launch(torch.cuda.current_stream().cuda_stream, fn, arg)
         if rc != 0:
             raise RuntimeError(f"cuLaunchHostFunc failed (CUresult {rc})")
 

@@ -15,13 +15,14 @@ from hybrid.kernels.pointwise import FUSED, Fused, expand_keys
 from hybrid.model.args import ModelArgs
 from hybrid.model.kv_cache import LatentCache
 from hybrid.model.layers import Linear, RMSNorm
-from hybrid.model.rope import apply_rope, apply_rope_
+from hybrid.model.rope import Rope
 
 
 class MLA(nn.Module):
     def __init__(self, args: ModelArgs, fused: Fused = FUSED):
         super().__init__()
         self.args, self.fused = args, fused  # RoPE on the query and the key expansion (its norms hold their own)
+        self.rope = Rope(args.rope, args.qk_rope_head_dim)
         a, blk = args, args.fp8_block
         h = a.num_attention_heads
         if a.q_lora_rank:
@@ -46,11 +47,11 @@ class MLA(nn.Module):
         B, S, _ = x_BSD.shape
         q_BSHK = self._query(x_BSD).view(B, S, a.num_attention_heads, a.qk_head_dim)
         q_nope_BSHN, q_pe_BSHR = q_BSHK.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
-        apply_rope_(q_pe_BSHR, pos_BS, a.rope, self.fused)  # rotated in place: q_BSHK is the whole query
+        self.rope.apply_(q_pe_BSHR, pos_BS, self.fused)  # rotated in place: q_BSHK is the whole query
 
         kv_c_BSC, k_pe_BSR = self.kv_a_proj_with_mqa(x_BSD).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         kv_c_BSC = self.kv_a_layernorm(kv_c_BSC)
-        k_pe_BSR = apply_rope(k_pe_BSR[:, :, None, :], pos_BS, a.rope)[:, :, 0, :]
+        k_pe_BSR = self.rope.apply(k_pe_BSR[:, :, None, :], pos_BS)[:, :, 0, :]
 
         if cache is None:
             kv_BTC, pe_BTR, key_pos_BT = kv_c_BSC, k_pe_BSR, pos_BS

@@ -30,23 +30,26 @@ def inv_freq(rope: RopeArgs, dim: int, device=None) -> torch.Tensor:
     return freqs / rope.factor * (1 - keep) + freqs * keep
 
 
-_FREQS: dict = {}
+class Rope:
+    """One model's rotary frequencies, computed once per device on first use (the model may be built on the meta
+    device, so they cannot be a buffer filled at construction)."""
 
+    def __init__(self, rope: RopeArgs, dim: int):
+        self.rope, self.dim = rope, dim
+        self._freqs: dict[str, torch.Tensor] = {}
 
-def cached_inv_freq(rope: RopeArgs, dim: int, device) -> torch.Tensor:
-    key = (rope, dim, str(device))
-    if key not in _FREQS:
-        _FREQS[key] = inv_freq(rope, dim, device)
-    return _FREQS[key]
+    def freqs(self, device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._freqs:
+            self._freqs[key] = inv_freq(self.rope, self.dim, device)
+        return self._freqs[key]
 
+    def apply(self, x: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, H, R] rotated by its position pos_BS: [B, S]."""
+        cos, sin = rope_angles(pos_BS, self.freqs(x.device))
+        return rotate_reference(x, cos, sin)
 
-def apply_rope(x: torch.Tensor, pos_BS: torch.Tensor, rope: RopeArgs) -> torch.Tensor:
-    """x: [B, S, H, R] rotated by its position pos_BS: [B, S]."""
-    cos, sin = rope_angles(pos_BS, cached_inv_freq(rope, x.shape[-1], x.device))
-    return rotate_reference(x, cos, sin)
-
-
-def apply_rope_(x: torch.Tensor, pos_BS: torch.Tensor, rope: RopeArgs, fused: Fused = FUSED) -> None:
-    """apply_rope in place (x may be a view: the rotary part of each query head)."""
-    cos, sin = rope_angles(pos_BS, cached_inv_freq(rope, x.shape[-1], x.device))
-    rotate_(x, cos, sin, fused)
+    def apply_(self, x: torch.Tensor, pos_BS: torch.Tensor, fused: Fused = FUSED) -> None:
+        """apply in place (x may be a view: the rotary part of each query head)."""
+        cos, sin = rope_angles(pos_BS, self.freqs(x.device))
+        rotate_(x, cos, sin, fused)
