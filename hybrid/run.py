@@ -1,5 +1,5 @@
 """run(cfg): what `python -m hybrid` does, and what the tuner calls: check the machine against the hardware
-profile, build the engine from the configs, run the mode, print and return the report."""
+profile, build the engine from the configs, run the mode (generate, bench, serve), print and return the report."""
 from __future__ import annotations
 
 import json
@@ -29,6 +29,8 @@ def run(cfg: DictConfig) -> dict:
         print(f"warning: {note}", file=sys.stderr)
     threads = cpu_threads(s.policy, hw)
     configure_cpu(threads, s.policy.cpu.gemm_tile_tokens)  # benches without an engine run with them too
+    if s.mode == Mode.serve:
+        return serve(s, hw)  # runs until SIGTERM/Ctrl-C; a server's life is not one tracked run
     if s.mode == Mode.bench:
         report = bench(replace(s, hw=hw), hw.name, machine)  # the resolved profile: the bench builds the engine
     else:
@@ -51,6 +53,16 @@ def bench(s: HybridConfig, hw_name: str, machine) -> dict:
         print(table(records))
         print(f"\n{len(records)} records -> {path}")
     return report
+
+
+def serve(s: HybridConfig, hw: HwConfig) -> dict:
+    """The OpenAI-compatible server: it answers /health with 503 while the engine builds, then serves."""
+    from hybrid.serve import serve as serve_http
+
+    name = s.server.model_name or s.model.name
+    print(f"serving {name} on http://{s.server.host}:{s.server.port}/v1 once loaded (GET /health)", file=sys.stderr)
+    serve_http(lambda: build(s, hw, progress=False), s.server, name)
+    return {"mode": "serve", "model": name}
 
 
 def generate(s: HybridConfig, hw: HwConfig) -> dict:

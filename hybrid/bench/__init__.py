@@ -37,8 +37,14 @@ def _gpu_gemm(settings) -> list[Record]:
     return run(settings)
 
 
+def _serve(settings) -> list[Record]:
+    from hybrid.bench.serve import run
+
+    return run(settings)
+
+
 BENCHES: dict[str, Callable] = {"kernels": _kernels, "slo": _slo, "decode": _decode, "prefill": _prefill,
-                                "gpu_gemm": _gpu_gemm}
+                                "gpu_gemm": _gpu_gemm, "serve": _serve}
 
 
 def plot_bench(name: str, records: list[Record], json_path) -> Optional[Path]:

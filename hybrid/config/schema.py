@@ -13,12 +13,15 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from hybrid.errors import ConfigError
+
 BUILTIN_PROMPT = "The three laws of thermodynamics are"
 
 
 class Mode(Enum):
     generate = "generate"
     bench = "bench"
+    serve = "serve"
 
 
 class OutputFormat(Enum):
@@ -222,6 +225,7 @@ class BenchConfig:
     new_tokens: int = 32  # tokens generated per sequence
     batch: int = 1  # requests queued at once: prefilled, then decoded together
     batches: List[int] = field(default_factory=list)  # slo: each of these batch sizes in one run (replaces batch)
+    concurrency: List[int] = field(default_factory=list)  # serve: the workload at each (empty: its own)
     roof_gb: float = 0.5  # buffer of the memory read roof that bounds decode; 0 = no roof, no bound
     # decode: TPOT and its per-layer split at these context lengths
     contexts: List[int] = field(default_factory=lambda: [1024, 4096, 16384, 32768])
@@ -260,6 +264,54 @@ class TrackingConfig:
 
 
 @dataclass
+class ServerConfig:
+    """`mode=serve`: the OpenAI-compatible HTTP server (hybrid/serve/)."""
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 = any free port
+    api_key: Optional[str] = None  # set: every route but /health needs `Authorization: Bearer <api_key>`
+    model_name: Optional[str] = None  # the `model` clients name; null = the model config's name
+    max_waiting: int = 64  # requests queued for a KV slot; at this many, new ones get 429
+    shutdown_grace_s: float = 30.0  # on SIGTERM/Ctrl-C: time the requests in flight get to finish
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"server.port must be in 0..65535, got {self.port}")
+        if self.max_waiting < 1:
+            raise ConfigError(f"server.max_waiting must be >= 1, got {self.max_waiting}")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError(f"server.shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("server.api_key must not be empty (null: no key)")
+
+
+@dataclass
+class WorkloadConfig:
+    """`bench=serve`'s load (conf/workload/): prompt and output lengths drawn uniformly per request, the SLO limits
+    that goodput counts against, and either a fixed concurrency or a Poisson arrival rate."""
+    name: str = "chat"
+    prompt_tokens: List[int] = field(default_factory=lambda: [32, 256])  # [lo, hi], inclusive
+    output_tokens: List[int] = field(default_factory=lambda: [16, 128])
+    ttft_limit_s: float = 2.0
+    tpot_limit_s: float = 0.2
+    requests: int = 32
+    concurrency: Optional[int] = 4  # clients, each sending its next request when its last one ends
+    rate: Optional[float] = None  # or requests per second (Poisson arrivals); set concurrency to null
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for knob in ("prompt_tokens", "output_tokens"):
+            lo_hi = list(getattr(self, knob))
+            if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1]:
+                raise ConfigError(f"workload.{knob} must be [lo, hi] with 1 <= lo <= hi, got {lo_hi}")
+        if (self.concurrency is None) == (self.rate is None):
+            raise ConfigError("workload: set exactly one of workload.concurrency and workload.rate")
+        if (self.concurrency is not None and self.concurrency < 1) or (self.rate is not None and self.rate <= 0):
+            raise ConfigError("workload.concurrency must be >= 1 and workload.rate > 0")
+        if self.requests < 1 or min(self.ttft_limit_s, self.tpot_limit_s) <= 0:
+            raise ConfigError("workload.requests must be >= 1 and its limits > 0")
+
+
+@dataclass
 class HybridConfig:
     hw: HwConfig = field(default_factory=HwConfig)
     model: ModelConfig = MISSING  # from the model group (conf/model/)
@@ -276,6 +328,8 @@ class HybridConfig:
     output: OutputFormat = OutputFormat.text
     bench: BenchConfig = field(default_factory=BenchConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hybrid.engine.engine import Engine
 from hybrid.engine.requests import FinishReason, RequestError, RequestOutput, SamplingParams
 from hybrid.errors import CheckpointError
-from hybrid.serve.config import ServerConfig
+from hybrid.config.schema import ServerConfig
 from hybrid.serve.loop import EngineLoop, Job
 from hybrid.serve.metrics import CONTENT_TYPE, Metrics
 from hybrid.serve.protocol import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest,

@@ -21,7 +21,7 @@ from fastapi import FastAPI
 
 from hybrid.engine.engine import Engine
 from hybrid.serve.app import Loader, Service, create_app
-from hybrid.serve.config import ServerConfig
+from hybrid.config.schema import ServerConfig
 
 log = logging.getLogger("hybrid.serve")
 
