@@ -43,7 +43,6 @@ from hybrid.serve.protocol import (ChatCompletion, ChatCompletionRequest, Comple
 log = logging.getLogger("hybrid.serve")
 
 GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
-GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (dividing logits by less overflows)
 DRAIN_ABORT_WAIT_S = 10.0  # after the grace: how long aborted requests get to hand back their last output
 
 Loader = Callable[[], Engine]
@@ -163,7 +162,7 @@ class Service:
         temperature = 1.0 if body.temperature is None else body.temperature
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+            return SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                   top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
                                   seed=body.seed, stop=stop, ignore_eos=bool(body.ignore_eos))
         except RequestError as e:
