@@ -55,8 +55,8 @@ def _ttft(engine, n: int, streamed: bool = True, loop: dict | None = None, **str
     logits.argmax().item()
     t = time.perf_counter() - t0
     if loop is not None and pipes:
-        loop.update(expert_loop_s=sum(p.expert_loop_s for p in pipes),
-                    expert_loop_cpu_s=sum(p.expert_loop_cpu_s for p in pipes))
+        loop.update(expert_loop_s=sum(p["expert_loop_s"] for p in pipes),
+                    expert_loop_cpu_s=sum(p["expert_loop_cpu_s"] for p in pipes))
     return t
 
 

@@ -1,15 +1,17 @@
 """`mode=bench bench=slo`: the SLO report card of the configured model on this machine, through the same engine
 `python -m hybrid` generates with (hybrid/engine/build.py): `bench.batch` requests of a synthetic prompt of
 `bench.prompt_tokens` tokens each, queued at once and served by the scheduler (admitted, prefilled, then decoded
-together) for `bench.new_tokens` tokens each (end-of-sequence does not stop them). One warm-up pass, then `bench.repeats` passes; the median of each figure counts.
+together) for `bench.new_tokens` tokens each (end-of-sequence does not stop them). One warm-up pass, then
+`bench.repeats` passes; the median of each figure counts.
 
-Records: ttft_s (start to the first token of every sequence), tpot_s (per decode step; p50/p90/max of the steps
-beside it), prefill_tok_s (prompt tokens of all sequences / TTFT), decode_tok_s (generated tokens of all sequences
-per second of decoding). decode_tok_s is bounded by the memory read roof measured in the same run
-(`bench.roof_gb`): the bytes the CPU reads per decode step (routed experts the batch activates, on average, plus
-everything else when the CPU does the GPU side's work too) at the roof's GB/s. This is the tuner's objective
-(`python -m tuner`): it runs `python -m hybrid mode=bench bench=slo output=json policy.cpu.threads=...` once per
-trial.
+Records: ttft_s (start to the first token of every request), tpot_s (the median step while the whole batch
+decodes; p50/p90/max beside it), prefill_tok_s (prompt tokens of all requests / TTFT), decode_tok_s (tokens per
+second while the whole batch decodes together: from the last request's first token to the first request's last —
+requests are admitted and prefilled one after another, so they start and stop decoding at different steps).
+decode_tok_s is bounded by the memory read roof measured in the same run (`bench.roof_gb`): the bytes the CPU
+reads per decode step (routed experts the batch activates, on average, plus everything else when the CPU does the
+GPU side's work too) at the roof's GB/s. This is the tuner's objective (`python -m tuner`): it runs
+`python -m hybrid mode=bench bench=slo output=json policy.cpu.threads=...` once per trial.
 """
 from __future__ import annotations
 
@@ -55,26 +57,31 @@ def _batch(engine, s: HybridConfig, batch: int, roof: float, m) -> list[Record]:
     b = s.bench
     prompts = _prompts(engine.model.args, batch, b.prompt_tokens, s.seed)
 
-    def once(new_tokens: int) -> tuple[float, float, list[float]]:
-        """All prompts as requests at once, through the scheduler: TTFT of the last first token, the decoding
-        span, the first request's step times."""
+    def once(new_tokens: int) -> tuple[float, float, int, list[float]]:
+        """All prompts as requests at once, through the scheduler. The batch decodes together from the last first
+        token to the first last token (prompts are admitted and prefilled one after another, so requests start and
+        end decoding at different steps): TTFT of the last first token, that window's length and tokens, and the
+        first request's step times inside it."""
         t0 = time.perf_counter()
         done = engine.generate(prompts, SamplingParams(new_tokens, ignore_eos=True))
         failed = [c.error for c in done if c.error]
         if failed:
             raise RuntimeError(f"bench=slo: a request failed: {failed[0]}")
-        first = max(c.token_times[0] for c in done)
-        last = max(c.token_times[-1] for c in done)
-        stamps = done[0].token_times
-        return first - t0, last - first, [y - x for x, y in zip(stamps, stamps[1:])]
+        start = max(c.token_times[0] for c in done)
+        end = min(c.token_times[-1] for c in done)
+        if end <= start:
+            raise ConfigError(f"bench=slo: the {batch} requests never decoded together: raise bench.new_tokens "
+                              f"(now {new_tokens})")
+        tokens = sum(start < t <= end for c in done for t in c.token_times)
+        mine = [t for t in done[0].token_times if start <= t <= end]
+        return start - t0, end - start, tokens, [y - x for x, y in zip(mine, mine[1:])]
 
-    once(min(b.new_tokens, 2))  # warm-up: thread pools, allocations, caches, graphs of this batch size
+    once(min(b.new_tokens, 2 + batch))  # warm-up: thread pools, allocations, caches, graphs of this batch size
     passes = [once(b.new_tokens) for _ in range(b.repeats)]
-    ttft = statistics.median(t for t, _, _ in passes)
-    decode_s = statistics.median(d for _, d, _ in passes)
-    steps = sorted(statistics.median(step) for step in zip(*(st for _, _, st in passes))) or [decode_s]
-    decoded = batch * max(b.new_tokens - 1, 1)
-    tpot = decode_s / max(b.new_tokens - 1, 1)
+    ttft = statistics.median(p[0] for p in passes)
+    tok_s = statistics.median(p[2] / p[1] for p in passes)
+    steps = sorted(x for p in passes for x in p[3]) or [statistics.median(p[1] for p in passes)]
+    tpot = statistics.median(steps)
     shape = {"prompt_tokens": b.prompt_tokens, "new_tokens": b.new_tokens, "batch": batch, "repeats": b.repeats}
     records = [
         Record("ttft_s", ttft, "s", None, m, extra=shape),
@@ -82,7 +89,7 @@ def _batch(engine, s: HybridConfig, batch: int, roof: float, m) -> list[Record]:
                                                     "p90_ms": 1e3 * steps[min(len(steps) - 1, int(0.9 * len(steps)))],
                                                     "max_ms": 1e3 * steps[-1], "batch": batch}),
         Record("prefill_tok_s", batch * b.prompt_tokens / ttft if ttft else 0.0, "tok/s", None, m),
-        Record("decode_tok_s", decoded / decode_s if decode_s else 0.0, "tok/s", None, m, extra={"batch": batch}),
+        Record("decode_tok_s", tok_s, "tok/s", None, m, extra={"batch": batch}),
     ]
     if roof:
         step_bytes = bytes_per_decode_step(engine, batch)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 import time
 import traceback
 from dataclasses import dataclass
@@ -159,10 +160,18 @@ class Engine:
             return
         req.prefilled = chunk.end
         if token is not None:
-            if self._after_prefill is not None:
-                self._after_prefill()
             req.state = State.decoding
             self._append(req, token, changed)
+            self._refresh()
+
+    def _refresh(self) -> None:
+        """after_prefill (e.g. moving the hottest experts in): a failure there warns and the requests go on."""
+        if self._after_prefill is None:
+            return
+        try:
+            self._after_prefill()
+        except Exception as e:  # noqa: BLE001 - an optimisation failed, not a request
+            warnings.warn(f"after a prefill: {type(e).__name__}: {e} (the engine goes on without it)")
 
     def _prefill_logits(self, chunk: Chunk) -> torch.Tensor:
         req = chunk.request
@@ -171,7 +180,7 @@ class Engine:
     def _prefill_range(self, prompt: list[int], start: int, end: int, slot: int, streamed: bool,
                        **stream) -> tuple[torch.Tensor, list]:
         """prompt[start:end] into `slot` (the positions before it already there): the last token's logits, and the
-        stream-loading pipelines it went through (their statistics)."""
+        statistics of each stream-loading pass it took (one per SLP chunk)."""
         if not streamed:
             return self._forward(prompt[start:end], start, slot), []
         pipes, step = [], self.plan.slp_chunk_tokens or (end - start)
@@ -179,7 +188,7 @@ class Engine:
             stop = min(end, at + step)
             with self._long_prefill(stop - at, **stream) as pipe:
                 logits = self._forward(prompt[at:stop], at, slot)
-            pipes.append(pipe)
+            pipes.append(pipe.stats())  # not the pipeline: its ring and buffers go back before the next chunk
         return logits, pipes
 
     def _forward(self, tokens: list[int], start: int, slot: int) -> torch.Tensor:
@@ -213,7 +222,7 @@ class Engine:
     def prefill(self, prompt_ids: Sequence[int], slot: int = 0, streamed: Optional[bool] = None,
                 **stream) -> tuple[torch.Tensor, list]:
         """Prefills prompt_ids into KV slot `slot` (no request may hold it) and returns the last token's logits and
-        the stream-loading pipelines used (their statistics). streamed: None = as the scheduler would (longer
+        the statistics of each stream-loading pass (dicts: expert_loop_s, expert_loop_cpu_s, group_sizes). streamed: None = as the scheduler would (longer
         than policy.prefill.slp_cutoff_tokens where stream-loading applies); `stream` (ring_len, group, gemm)
         replaces the plan's for this call."""
         prompt = list(prompt_ids)
@@ -258,9 +267,18 @@ class Engine:
 
     def _finish(self, req: Request, reason: FinishReason, changed: dict[int, Request], error: str = "") -> None:
         req.finish_reason, req.error = reason, error
+        if req.slot >= 0 and req.state is not State.waiting:
+            self._clear_slot(req.slot, req.position)
         self.scheduler.finish(req)
         self._samplers.pop(req.id, None)
         changed[req.id] = req
+
+    def _clear_slot(self, slot: int, written: int) -> None:
+        """Zeroes what a request wrote into its KV slot: batch mates' decode steps read a slot past its own length
+        (masked, but 0 x NaN is NaN), so nothing non-finite may stay behind for the next occupant."""
+        for layer in self.cache.layers:
+            layer.kv[slot, :written].zero_()
+            layer.pe[slot, :written].zero_()
 
     def _fail(self, reqs: Iterable[Request], e: Exception, changed: dict[int, Request]) -> None:
         where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
@@ -291,6 +309,8 @@ class Engine:
         """Every prompt as a request (all queued at once), stepped until all finish; on_output(prompt index, output)
         as each step hands back progress (streaming)."""
         many = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        for p, sp in zip(prompts, many):  # all or none queued
+            self.check([int(t) for t in p], sp)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, many)]
         index = {rid: i for i, rid in enumerate(ids)}
         reqs = {rid: self._requests_soon(rid) for rid in ids}

@@ -10,6 +10,9 @@ from typing import Optional
 from hybrid.errors import HybridError
 
 
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are matched on every token's text
+
+
 class RequestError(HybridError, ValueError):
     """A request the engine cannot take (empty prompt, token id out of range, longer than the KV cache holds, bad
     sampling field). Other requests are unaffected."""
@@ -47,6 +50,8 @@ class SamplingParams:
             raise RequestError(f"top_k must be >= 0, got {self.top_k}")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty")
+        if len(self.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise RequestError(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each")
         object.__setattr__(self, "stop", tuple(self.stop))  # lists accepted: kept hashable and immutable
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 

@@ -3,7 +3,9 @@
 Each step: waiting requests are admitted into free KV slots in arrival order while fewer than `batch_cap` requests
 hold one; then prefill work is picked — prompts up to `long_cutoff` tokens go in chunks, at most `chunk_tokens`
 prompt tokens per step over the admitted requests in order (chunked prefill: the running requests keep decoding
-between chunks); a longer prompt, first in line, is prefilled whole by stream-loading in that step (it holds decode
+between chunks). A prompt's chunks always end at multiples of `chunk_tokens`, whatever its batch mates leave of a
+step's budget (a chunk that does not fit waits for the next step): how a prompt is cut changes its logits in the
+last bits, and a request's tokens must not depend on its batch mates; a longer prompt, first in line, is prefilled whole by stream-loading in that step (it holds decode
 meanwhile); then every request that was decoding at the start of the step decodes one token. Pure bookkeeping: the
 engine runs the model.
 """
@@ -85,7 +87,9 @@ class Scheduler:
                 if not plan.prefill:  # alone in its step: the whole prompt through the streamed weights
                     plan.prefill.append(Chunk(req, req.prefilled, len(req.prompt), streamed=True))
                 break
-            end = min(len(req.prompt), req.prefilled + budget)
+            end = min(len(req.prompt), (req.prefilled // self.chunk_tokens + 1) * self.chunk_tokens)
+            if end - req.prefilled > budget:
+                break  # the next chunk goes first in a later step, in arrival order
             plan.prefill.append(Chunk(req, req.prefilled, end, streamed=False))
             budget -= end - req.prefilled
         return plan

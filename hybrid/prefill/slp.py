@@ -252,6 +252,12 @@ class Pipeline:
         if self.device.type == "cuda":  # the model's last reads of the ring have run: the next prefill may write
             torch.cuda.synchronize(self.device)
         self.loader.keep_ring(self.ring)
+        self._group_weights = None  # the group buffer goes back with the prefill
+
+    def stats(self) -> dict:
+        """What the prefill's expert loops measured: wall and model-thread CPU seconds, experts per step."""
+        return {"expert_loop_s": self.expert_loop_s, "expert_loop_cpu_s": self.expert_loop_cpu_s,
+                "group_sizes": list(self.group_sizes)}
 
 
 class StreamLoader:

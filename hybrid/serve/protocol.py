@@ -7,10 +7,13 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hybrid.engine.requests import MAX_STOP_CHARS
+
 Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
-Stop = Union[str, Annotated[list[str], Field(max_length=4)]]
+StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+Stop = Union[StopText, Annotated[list[StopText], Field(max_length=4)]]
 
 
 class _Strict(BaseModel):

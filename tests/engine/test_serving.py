@@ -242,3 +242,54 @@ def test_scheduler_admits_in_order_and_spends_the_chunk_budget():
     assert [r.id for r in s.running] == [1, 2] and reqs[2].slot == 0
     with pytest.raises(ValueError, match="batch_cap"):
         Scheduler(slots=2, batch_cap=3, chunk_tokens=4)
+
+
+def test_chunk_boundaries_do_not_depend_on_batch_mates_in_bf16(tiny_dir):
+    """In BF16 how a prompt is cut changes its logits in the last bits: a prompt's chunks end at multiples of the
+    chunk size whatever its batch mates leave of a step, so its greedy tokens are its solo ones."""
+    from hybrid.weights.checkpoint import Checkpoint
+    from hybrid.weights.loader import load_model
+
+    model = load_model(Checkpoint(tiny_dir), torch.bfloat16, progress=False)
+    v = model.args.vocab_size
+    plan = Plan(max_batch=4, max_context=256, batch_cap=4, prefill_chunk_tokens=16)
+    mates = [(_prompt(64, 1, v), _greedy(4)), (_prompt(23, 2, v), _greedy(4))]
+    for seed in range(4):
+        mine = (_prompt(17, 10 + seed, v), _greedy(10))
+        got = _drive(Engine(model, plan), {0: [*mates, mine]})
+        tokens = next(t for p, _, t, _ in got.values() if p == mine[0])
+        assert tokens == _solo(model, *mine, plan), f"seed {seed}"
+
+
+def test_a_failing_after_prefill_hook_warns_and_the_requests_go_on(tiny_model):
+    v = tiny_model.args.vocab_size
+    calls = []
+
+    def hook():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("refresh failed")
+    engine = Engine(tiny_model, PLAN, after_prefill=hook)
+    with pytest.warns(UserWarning, match="refresh failed"):
+        done = engine.generate([_prompt(4, 1, v), _prompt(20, 2, v)], _greedy(5))
+    assert [c.finish_reason for c in done] == [FinishReason.length] * 2 and len(calls) == 2
+    assert [c.output_ids for c in done] == [_solo(tiny_model, _prompt(n, s, v), _greedy(5)) for n, s in ((4, 1), (20, 2))]
+
+
+def test_a_finished_request_leaves_nothing_in_its_kv_slot(tiny_model):
+    """Decode reads a slot past its own length (masked, but 0 x NaN is NaN): whatever a request wrote is zeroed
+    when it ends, so a non-finite value it left cannot reach the slot's next occupant."""
+    v = tiny_model.args.vocab_size
+    plan = Plan(max_batch=2, max_context=96, batch_cap=2, prefill_chunk_tokens=64)
+    engine = _engine(tiny_model, plan)
+    first = engine.add_request(_prompt(50, 1, v), _greedy(40))
+    for _ in range(4):
+        engine.step()
+    for layer in engine.cache.layers:  # as if its activations had overflowed: non-finite latents in slot 0
+        layer.kv[0, 10:50] = float("nan")
+    engine.abort(first)
+    engine.step()
+    assert all(float(layer.kv.abs().sum()) == 0 and float(layer.pe.abs().sum()) == 0 for layer in engine.cache.layers)
+    # a short request takes slot 0 beside a long one: its decode reads slot 0 up to the long one's length
+    got = _drive(engine, {0: [(_prompt(6, 2, v), _greedy(6)), (_prompt(50, 3, v), _greedy(6))]})
+    _check_solo(tiny_model, got, plan)
