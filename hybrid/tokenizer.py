@@ -28,6 +28,14 @@ class Tokenizer:
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.add_bos = bool(cfg.get("add_bos_token", False))
         self.chat_template: Optional[str] = cfg.get("chat_template")
+        gen_path = path / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        eos = gen.get("eos_token_id")
+        # where a turn ends: generation_config.json's end-of-sequence ids (Kimi-K2's chat turns end with
+        # <|im_end|>, not config.json's [EOS]) and the tokenizer's eos token
+        self.eos_ids: frozenset[int] = frozenset(
+            [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)]
+            + [i for i in [self.token_id(self.eos_token)] if i is not None])
 
     def token_id(self, token: Optional[str]) -> Optional[int]:
         return None if token is None else self._tok.token_to_id(token)

@@ -67,7 +67,10 @@ class Engine:
         self._decoders: dict[str, DecodeFn] = {plan.cuda_graphs: decode} if decode is not None else {}
         self._long_prefill, self._after_prefill = long_prefill, after_prefill
         self.parts = dict(parts or {})
-        self.eos_id = model.args.eos_token_id
+        # the ids that end a request (unless it asks to ignore them): the model's eos, the tokenizer's
+        self.eos_ids = frozenset({model.args.eos_token_id} - {None})
+        if tokenizer is not None:
+            self.eos_ids |= tokenizer.eos_ids
         self.scheduler = Scheduler(self.cache.slots, plan.batch_cap, plan.prefill_chunk_tokens,
                                    plan.slp_cutoff_tokens if long_prefill is not None else None)
         self._ids = itertools.count()
@@ -253,7 +256,7 @@ class Engine:
         req.token_times.append(time.perf_counter())
         changed[req.id] = req
         p = req.params
-        stop_token = token in p.stop_token_ids or (token == self.eos_id and not p.ignore_eos)
+        stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
         if self.tokenizer is not None:
             req.text = self.tokenizer.decode(req.output[:-1] if stop_token else req.output)
             cut = _first_stop(req.text, p.stop, max(0, req.shown - max(map(len, p.stop), default=0)))

@@ -293,3 +293,21 @@ def test_a_finished_request_leaves_nothing_in_its_kv_slot(tiny_model):
     # a short request takes slot 0 beside a long one: its decode reads slot 0 up to the long one's length
     got = _drive(engine, {0: [(_prompt(6, 2, v), _greedy(6)), (_prompt(50, 3, v), _greedy(6))]})
     _check_solo(tiny_model, got, plan)
+
+
+def test_generation_config_end_of_turn_ids_stop_a_request(tiny_model, tiny_dir, tmp_path):
+    """Kimi-K2's chat turns end with <|im_end|>, generation_config.json's eos, not config.json's: every id listed
+    there ends a request."""
+    import json
+    import shutil
+
+    v = tiny_model.args.vocab_size
+    prompt = _prompt(7, 8, v)
+    free = _engine(tiny_model, tokenizer=Tokenizer(tiny_dir)).generate([prompt], _greedy(12))[0].output_ids
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_dir, ck)
+    (ck / "generation_config.json").write_text(json.dumps({"eos_token_id": [free[5], 123456]}))
+    tok = Tokenizer(ck)
+    assert free[5] in tok.eos_ids and 123456 in tok.eos_ids
+    done = _engine(tiny_model, tokenizer=tok).generate([prompt], SamplingParams(12))[0]
+    assert done.output_ids == free[:free.index(free[5]) + 1] and done.finish_reason is FinishReason.stop

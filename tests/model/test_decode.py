@@ -61,7 +61,7 @@ def test_generation_stops_at_eos_and_respects_limits(tiny_model):
     prompt = _prompt(5, 1, m.args.vocab_size)
     first = _generate(m, [prompt], 4)[0]
     engine = Engine(m, Plan(max_batch=1, max_context=16, batch_cap=1))
-    engine.eos_id = first[1]
+    engine.eos_ids = frozenset({first[1]})
     stopped = engine.generate([prompt], SamplingParams(4))[0]
     assert stopped.output_ids == first[:2] and stopped.finish_reason.value == "stop"
     for bad, msg in (([], "empty"), ([m.args.vocab_size], "out of range")):
