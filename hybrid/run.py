@@ -42,7 +42,7 @@ def run(cfg: DictConfig) -> dict:
 def bench(s: HybridConfig, hw_name: str, machine) -> dict:
     records = run_bench(s)
     context = {"hw": hw_name, "machine": machine.summary(), "threads": thread_pool.threads(),
-               "kernel": selected(s.policy.cpu.kernel)}
+               "kernel": selected(s.policy.cpu.kernel), **getattr(records, "context", {})}
     path = save(records, RUNS_DIR / "bench", s.bench.name, context)
     png = plot_bench(s.bench.name, records, path)
     report = {"bench": s.bench.name, **context, "records": [r.as_json() for r in records], "path": str(path),
@@ -81,7 +81,8 @@ def generate(s: HybridConfig, hw: HwConfig) -> dict:
     n = len(done.output_ids)
     report = {
         "model": s.model.name, "hw": hw_name, "prompt_ids": prompt_ids, "output_ids": done.output_ids,
-        "text": done.text, "finish_reason": done.finish_reason.value, "prompt_tokens": len(prompt_ids),
+        "text": done.text, "finish_reason": done.finish_reason.value, "plan": engine.plan.params(),
+        "prompt_tokens": len(prompt_ids),
         "new_tokens": n, "ttft_s": done.ttft_s, "tpot_s": done.tpot_s,
         "prefill_tok_s": len(prompt_ids) / done.ttft_s if done.ttft_s else 0.0,
         "decode_tok_s": 1 / done.tpot_s if done.tpot_s else 0.0,

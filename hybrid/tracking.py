@@ -179,6 +179,7 @@ def _log_run(s, cfg, report, hw, threads) -> str:
     try:
         now = int(time.time() * 1000)
         params = [Param(_safe_key(k), v) for k, v in params_of(s, hw, threads).items()]
+        params += [Param(_safe_key(f"plan.{k}"), str(v)[:6000]) for k, v in report.get("plan", {}).items()]
         metrics = [Metric(_safe_key(k), v, now, 0) for k, v in metrics_of(report).items()]
         for i in range(0, max(len(params), len(metrics)), 100):
             c.log_batch(run_id, metrics=metrics[i:i + 100], params=params[i:i + 100])

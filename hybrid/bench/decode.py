@@ -20,7 +20,7 @@ import torch
 
 from hybrid.bench import bounds
 from hybrid.bench.gpu_profile import gpu_times
-from hybrid.bench.records import Record
+from hybrid.bench.records import Record, Records
 from hybrid.engine.build import build, graphs_apply
 from hybrid.engine.profile import HOST_PARTS, StepProfile
 from hybrid.errors import ConfigError
@@ -104,7 +104,7 @@ def run(settings) -> list[Record]:
         first, last = cfg.contexts[0], cfg.contexts[-1]
         records.append(Record("tpot_ratio", tpot[last] / tpot[first], "x",
                               extra={"from_context": first, "to_context": last, "mode": mode}))
-    return records
+    return Records(records, {"plan": engine.plan.params()})
 
 
 def _step_records(cfg, ctx, mode, times, bytes_step, roof, **tpot_extra) -> tuple[dict, Record, Record]:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hybrid.bench import bounds, timeline
 from hybrid.bench.decode import FULL_MOE_LAYERS
 from hybrid.bench.gpu_profile import gpu_times
-from hybrid.bench.records import Record
+from hybrid.bench.records import Record, Records
 from hybrid.bench.timing import cuda_seconds
 from hybrid.config.compose import RUNS_DIR
 from hybrid.engine.build import build, expert_gemm_shapes
@@ -154,7 +154,7 @@ def run(settings) -> list[Record]:
         Record("slp_h2d_busy_fraction", busy["h2d_s"] / t, "fraction", None, longest,
                extra={"h2d_s": busy["h2d_s"], "profiled_ttft_s": t}),
     ]
-    return records
+    return Records(records, {"plan": engine.plan.params()})
 
 
 def plot(records: list[Record], png) -> None:

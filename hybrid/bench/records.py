@@ -9,6 +9,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 
+class Records(list):
+    """A benchmark's records and what the run was configured as (`context`, e.g. the engine's resolved plan), which
+    goes into the JSON beside them and into the MLflow run."""
+
+    def __init__(self, records=(), context: Optional[dict] = None):
+        super().__init__(records)
+        self.context = dict(context or {})
+
+
 @dataclass
 class Record:
     name: str

@@ -11,7 +11,7 @@ import logging
 import sys
 from dataclasses import replace
 
-from hybrid.bench.records import Record
+from hybrid.bench.records import Record, Records
 from hybrid.config.schema import HybridConfig
 from hybrid.errors import ConfigError
 
@@ -51,7 +51,7 @@ def run(s: HybridConfig) -> list[Record]:
             print(f"  concurrency {load.concurrency or f'rate {load.rate}/s'}: {rep['completed']}/{rep['requests']} "
                   f"done, TTFT p50 {rep['ttft_s']['p50']:.3f} s, TPOT p50 {rep['tpot_s']['p50'] * 1e3:.1f} ms, "
                   f"goodput {rep['goodput_req_s']:.2f} req/s", file=sys.stderr)
-    return records
+    return Records(records, {"plan": engine.plan.params()})
 
 
 def _records(rep: dict, concurrency) -> list[Record]:

@@ -19,7 +19,7 @@ import statistics
 import time
 
 from hybrid.bench import bounds
-from hybrid.bench.records import Record
+from hybrid.bench.records import Record, Records
 from hybrid.config.schema import HybridConfig
 from hybrid.errors import ConfigError
 
@@ -47,7 +47,7 @@ def run(s: HybridConfig) -> list[Record]:
         records += _batch(engine, s, batch, roof, m=batch if b.batches else None)
     if roof:
         records.append(Record("read_roof", roof, "GB/s", extra={"buffer_gb": b.roof_gb}))
-    return records
+    return Records(records, {"plan": engine.plan.params()})
 
 
 def _batch(engine, s: HybridConfig, batch: int, roof: float, m) -> list[Record]:
