@@ -8,12 +8,20 @@ from torch.profiler over a few more steps).
 
 The sequences sit at the context length without prefilling it: attention reads every cached position up to the
 current one whatever the values, so a step's cost at context C is that of a real step at C.
+
+Without a GPU every layer runs on the CPU in turn (the routed experts too: placement runs them synchronously, the
+shared experts after them), so host clocks around each layer split the step exactly: `split.outside_layers` is the
+rest (embeddings, final norm, lm_head, sampling), counted once in the projection, not per layer; `split.cpu_moe` is
+the routed experts alone (their submit-to-join span, less the shared experts run inside it); the idle fractions
+there are shares of the step (no device idles beside another).
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
+from collections import defaultdict
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +33,8 @@ from hybrid.engine.build import build, graphs_apply
 from hybrid.engine.profile import HOST_PARTS, StepProfile
 from hybrid.errors import ConfigError
 from hybrid.kernels.membw import calibrate, read_roof
+from hybrid.model.moe import MoE
+from hybrid.model.transformer import Block
 from hybrid.weights.presets import DEEPSEEK_V3
 
 if TYPE_CHECKING:
@@ -52,13 +62,47 @@ def _timed(engine, cfg, ctx: int, step, on_warm=None, steps: int = 0) -> list[fl
     return times
 
 
+class _LayerClocks:
+    """Host clocks around each decoder layer (the CPU device: layers run one after another), summed by kind."""
+
+    def __init__(self, model):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.open: dict[int, float] = {}
+        self.handles = []
+        for block in (m for m in model.modules() if isinstance(m, Block)):
+            kind = "moe_layers" if isinstance(block.mlp, MoE) else "dense_layers"
+            self.handles += [block.register_forward_pre_hook(self._pre),
+                             block.register_forward_hook(functools.partial(self._post, kind))]
+
+    def _pre(self, mod, args) -> None:
+        self.open[id(mod)] = time.perf_counter()
+
+    def _post(self, kind, mod, args, out) -> None:
+        self.seconds[kind] += time.perf_counter() - self.open.pop(id(mod))
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 def _context(engine, cfg, ctx: int) -> tuple[list[float], dict]:
     profile = StepProfile(engine.model, engine.device)
+    clocks = _LayerClocks(engine.model) if engine.device.type == "cpu" else None
+
+    def reset():
+        profile.reset()
+        if clocks:
+            clocks.reset()
     try:
-        times = _timed(engine, cfg, ctx, engine.decoder("off"), profile.reset)
-        return times, profile.summary()
+        times = _timed(engine, cfg, ctx, engine.decoder("off"), reset)
+        return times, {**profile.summary(), **(clocks.seconds if clocks else {})}
     finally:
         profile.close()  # hooks off: graphs are captured without them
+        if clocks:
+            clocks.close()
 
 
 def _graphed(engine, cfg, ctx: int, graphs: GraphedDecode) -> tuple[list[float], dict]:
@@ -142,10 +186,21 @@ def project(tpot: float, per_step: dict, n_moe: int, n_dense: int) -> float:
     return FULL_MOE_LAYERS * moe + FULL_DENSE_LAYERS * dense
 
 
+def project_cpu(per_step: dict, n_moe: int, n_dense: int) -> float:
+    """TPOT of the full model from a slice's step on the CPU, its layers clocked one by one: each kind of layer at
+    its mean time, and what runs outside the layers once."""
+    return (FULL_MOE_LAYERS * per_step["moe_layers"] / n_moe
+            + FULL_DENSE_LAYERS * per_step.get("dense_layers", 0.0) / max(n_dense, 1) + per_step["outside_layers"])
+
+
 def _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, n_dense, syncs, s) -> list[Record]:
     steps, b = len(times), cfg.batch
     tpot = statistics.median(times)
     per_step = {k: v / steps for k, v in parts.items()}
+    on_cpu = "moe_layers" in per_step
+    if on_cpu:  # the shared experts ran between the experts' submission and their join
+        per_step["cpu_moe"] -= per_step.get("shared_experts", 0.0)
+        per_step["outside_layers"] = max(0.0, tpot - per_step["moe_layers"] - per_step.get("dense_layers", 0.0))
     bytes_step = per_step["experts_read"] * expert_bytes
     device_busy = sum(per_step.get(k, 0.0) for k in DEVICE_PARTS)
     common, tpot_record, bound_record = _step_records(cfg, ctx, "eager", times, bytes_step, roof,
@@ -159,13 +214,17 @@ def _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, n_dense, syncs, 
         Record("gpu_idle_fraction", max(0.0, 1 - device_busy / tpot), "fraction", extra=common),
         Record("cpu_idle_fraction", max(0.0, 1 - per_step["cpu_moe"] / tpot), "fraction", extra=common),
     ]
-    for part in DEVICE_PARTS + HOST_PARTS:
+    for part in DEVICE_PARTS + HOST_PARTS + ("outside_layers",):
         if part in per_step:
             out.append(Record(f"split.{part}", per_step[part] * 1e3, "ms/step", extra=common))
     scale = FULL_MOE_LAYERS / n_moe
-    out.append(Record("projected_tpot_61_layers", project(tpot, per_step, n_moe, n_dense), "s", extra={
-        **common, "projection": f"this machine, from the step's split: {FULL_MOE_LAYERS} x the MoE-layer time + "
-                                f"{FULL_DENSE_LAYERS} x the dense-layer time"}))
+    how = (f"this machine, from the step's split: {FULL_MOE_LAYERS} x the MoE-layer time + {FULL_DENSE_LAYERS} x "
+           "the dense-layer time")
+    if on_cpu:
+        projected, how = project_cpu(per_step, n_moe, n_dense), how + " + the time outside the layers, once"
+    else:
+        projected = project(tpot, per_step, n_moe, n_dense)
+    out.append(Record("projected_tpot_61_layers", projected, "s", extra={**common, "projection": how}))
     if s.hw.cpu.mem_bw_gbps and bound > 0:
         frac = min(1.0, bound / tpot)
         t_hw = bounds.read_seconds(bytes_step * scale, s.hw.cpu.mem_bw_gbps * frac)

@@ -45,7 +45,9 @@ def cpu_threads(p: PolicyConfig, hw: HwConfig) -> int:
 
 def configure_cpu(threads: int, tile_tokens: int) -> None:
     """The native kernels' process-wide settings (one thread pool per process) and torch's intra-op threads, from
-    the plan, once per engine."""
+    the plan, once per engine. One count for both: without a GPU they take turns within a step (placement runs the
+    routed experts synchronously, the shared experts after them), and torch keeps every core for what stays its own
+    (the BF16 lm_head, attention's score products)."""
     torch.set_num_threads(threads)
     thread_pool.set_threads(threads)
     set_tile_min_tokens(tile_tokens)
@@ -74,7 +76,7 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
     hot = hot_experts(s, model, device, gemm)
     # Triton compiles now, not in a first long prompt; where it fails, the torch forms run
     fused = pointwise.Fused(pointwise.warm_up(a, device, model.dtype))
-    weight_bytes = place(model, device, p.gpu.weights, gemm, fused)
+    weight_bytes = place(model, device, p.gpu.weights, gemm, fused, kernel_name(p.cpu.kernel) if native else None)
     hot_bytes = sum(h.nbytes for h in hot)
     if device.type == "cuda":
         print(f"GPU side: {(weight_bytes + hot_bytes) / 1e9:.2f} GB of weights", file=sys.stderr)

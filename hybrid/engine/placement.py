@@ -9,7 +9,9 @@
 - `place`: the rest of the model (attention, dense layers, shared experts, router, embeddings, lm_head) moves to
   the compute device; on a GPU its FP8 weights are dequantised once to the compute dtype (`gpu_weights=dense`) or
   kept in FP8 and dequantised per use (`fp8`: half the memory). The modules it places get the FP8 GEMM and the
-  fused-kernel decision chosen for the device.
+  fused-kernel decision chosen for the device. On the CPU with the native kernels, its FP8 Linears run on them too
+  (`CpuFp8Gemm`, over the FP8 bytes in place) and the routed experts run in turn with the rest, on every core; on
+  the CPU, a BF16 model's kv_b_proj is dequantised once (attention reads it whole at every step).
 - `hot_experts_to_device`: every MoE layer on the CPU kernels gets GPU slots for its hottest routed experts.
 - `pin_experts`: the routed experts' weights move into one pinned host arena per layer (fast copies to the GPU for
   stream-loading prefill); the mmap'd checkpoint pages are then no longer referenced.
@@ -23,7 +25,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import nn
 
-from hybrid.kernels.fp8_linear import DEFAULT_GEMM, Fp8Gemm
+from hybrid.kernels.fp8_linear import DEFAULT_GEMM, CpuFp8Gemm, Fp8Gemm
 from hybrid.kernels.moe import CpuMoE
 from hybrid.kernels.pointwise import FUSED, Fused
 from hybrid.model.attention import MLA
@@ -63,6 +65,9 @@ class CpuExperts(nn.Module):
         # slots are no checkpoint weights (allocated where they live)
         self._outside = (experts, hot)
         self.kernel, self.staging = kernel, staging
+        # False (placed on the CPU): `submit` runs the layer on every thread, the caller's too, and returns done;
+        # the shared experts then have the cores to themselves
+        self.overlap = True
         self.op = _cpu_op(experts, kernel)
         self.arena: Optional[torch.Tensor] = None  # pin_experts: every expert's weights, slot_bytes apart
         self.slot_bytes = 0
@@ -84,7 +89,7 @@ class CpuExperts(nn.Module):
     def with_hot(self, hot: Optional[HotExperts]) -> "CpuExperts":
         """This layer with `hot` resident experts: a new module over the same host experts, staging and arena."""
         layer = CpuExperts(self.host_experts, self.staging, self.kernel, hot)
-        layer.arena, layer.slot_bytes = self.arena, self.slot_bytes
+        layer.arena, layer.slot_bytes, layer.overlap = self.arena, self.slot_bytes, self.overlap
         return layer
 
     def rebuild(self) -> None:
@@ -103,7 +108,10 @@ class CpuExperts(nn.Module):
     def submit(self, s: Staged) -> "_Pending":
         """Starts the CPU op on the staged inputs, then the resident experts on their device (overlapping it)."""
         out_h = self.staging.out(s.x_h.shape[0])
-        self.op.submit(s.x_h, s.ids_h, s.w_h, out_h)
+        if self.overlap:
+            self.op.submit(s.x_h, s.ids_h, s.w_h, out_h)
+        else:
+            self.op(s.x_h, s.ids_h, s.w_h, out_h)
         return _Pending(self, out_h, s.x_TD, self.resident(s))
 
     def start(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
@@ -229,10 +237,16 @@ def cpu_experts(model: nn.Module) -> list[CpuExperts]:
 
 
 def place(model: nn.Module, device: torch.device, gpu_weights: str = "dense", gemm: Fp8Gemm = DEFAULT_GEMM,
-          fused: Fused = FUSED) -> int:
+          fused: Fused = FUSED, cpu_kernel: Optional[str] = None) -> int:
     """Moves everything but the routed experts to `device`, its Linears computing through `gemm` and its norms, RoPE
-    and key expansion by `fused`; returns the bytes of weights now on it."""
+    and key expansion by `fused`; returns the bytes of weights now on it. On the CPU, `cpu_kernel` (the native
+    kernels' variant, when they run the routed experts) puts the Linears on them too (CpuFp8Gemm over `gemm`) and
+    the routed experts in turn with the rest (CpuExperts.overlap off); a BF16 model keeps kv_b dequantised there."""
     model.to(device)
+    if device.type == "cpu" and cpu_kernel is not None:
+        gemm = CpuFp8Gemm(cpu_kernel, gemm)
+        for layer in cpu_experts(model):
+            layer.overlap = False
     for m in model.modules():
         if isinstance(m, Linear):
             m.gemm = gemm
@@ -240,10 +254,18 @@ def place(model: nn.Module, device: torch.device, gpu_weights: str = "dense", ge
             m.fused = fused
     if device.type == "cuda" and gpu_weights == "dense":
         for lin in [m for m in model.modules() if isinstance(m, Linear) and m.block is not None]:
-            lin.weight = nn.Parameter(lin.dense_weight(model.dtype), requires_grad=False)
-            del lin.weight_scale_inv
-            lin.block = None
+            _dense(lin, model.dtype)
+    elif device.type == "cpu" and model.dtype == torch.bfloat16:  # float32 (tests) keeps the per-call forms
+        for mla in [m for m in model.modules() if isinstance(m, MLA)]:  # attention reads kv_b whole every step
+            mla.keep_kv_b(model.dtype)
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def _dense(lin: Linear, dtype: torch.dtype) -> None:
+    """The Linear's weight dequantised to `dtype` once, in place of the FP8 one."""
+    lin.weight = nn.Parameter(lin.dense_weight(dtype), requires_grad=False)
+    del lin.weight_scale_inv
+    lin.block = None
 
 
 def hot_experts_to_device(model: nn.Module, n: int, device: torch.device,

@@ -1,4 +1,4 @@
-"""FP8 block-scaled linear on the GPU: y = x · (q ⊙ s)ᵀ, q [N, K] FP8 E4M3 with one scale per 128×128 block.
+"""FP8 block-scaled linear: y = x · (q ⊙ s)ᵀ, q [N, K] FP8 E4M3 with one scale per 128×128 block.
 
 Two ways, chosen by `policy.gpu.fp8_gemm` (an `Fp8Gemm`, handed to the code that multiplies):
 - `triton`: a Triton GEMM that reads the FP8 weights directly, converts each tile to BF16 in registers, multiplies
@@ -9,6 +9,9 @@ Two ways, chosen by `policy.gpu.fp8_gemm` (an `Fp8Gemm`, handed to the code that
 - `auto`: `triton` below `dequant_from_rows` rows of x, `dequant` from there.
 Activations stay BF16 either way (no activation quantisation). The Triton kernels need CUDA, Triton, BF16
 activations and 128×128 blocks; anything else dequantises with torch ops, which also serves the CPU.
+
+On the CPU, `CpuFp8Gemm` (placement's choice with the native MoE backend) runs the native FP8 GEMM (csrc/gemm.cpp)
+over the stored FP8 bytes: no dequantised copy of the weights, one pass over them per call.
 
 Legend: M rows of x (tokens), N output features, K input features.
 """
@@ -21,6 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from hybrid.kernels.gemm import gemm as cpu_gemm
 from hybrid.weights import fp8
 
 try:
@@ -136,6 +140,36 @@ class Fp8Gemm:
 
 
 DEFAULT_GEMM = Fp8Gemm()  # policy.gpu's defaults
+
+
+@dataclass(frozen=True)
+class CpuFp8Gemm:
+    """FP8 weights on the CPU through the native kernels (`kernel`: policy.cpu.kernel), reading the FP8 bytes in
+    place on the CPU threads; the kernel accumulates in FP32 and y is rounded once to BF16. It takes BF16
+    activations and 128×128 blocks: anything else (float32 models, other blocks, another device) goes through
+    `fallback`, torch's dequantising path on the CPU, unchanged."""
+    kernel: str = "auto"
+    fallback: Fp8Gemm = DEFAULT_GEMM
+
+    def path(self, x: torch.Tensor, block, m: int) -> str:
+        """`native` (the CPU FP8 GEMM), else the fallback's way."""
+        if x.device.type == "cpu" and x.dtype == torch.bfloat16 and tuple(block) == (128, 128):
+            return "native"
+        return self.fallback.path(x, block, m)
+
+    def linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block, out=None) -> torch.Tensor:
+        """x [..., K] -> [..., N]; `out` (2-D [M, N]) receives it when given."""
+        n, k = q.shape
+        m = x.numel() // k if k else 0
+        if q.dtype != fp8.FP8 or self.path(x, block, m) != "native":
+            return self.fallback.linear(x, q, scale, block, out=out)
+        x_MK = x.reshape(m, k)
+        if x_MK.stride(1) != 1 or (m > 1 and x_MK.stride(0) < k):  # the kernel reads rows of K in place
+            x_MK = x_MK.contiguous()
+        y_MN = cpu_gemm(x_MK, q, scale, kernel=self.kernel) if m else x.new_empty(0, n, dtype=torch.float32)
+        if out is not None:
+            return out.copy_(y_MN)
+        return y_MN.to(x.dtype).view(*x.shape[:-1], n)
 
 
 def _check_layout(q: torch.Tensor, scale: torch.Tensor, block) -> None:

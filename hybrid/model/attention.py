@@ -35,6 +35,30 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, a.rms_norm_eps)
         self.kv_b_proj = Linear(a.kv_lora_rank, h * (a.qk_nope_head_dim + a.v_head_dim), blk)
         self.o_proj = Linear(h * a.v_head_dim, a.hidden_size, blk)
+        # kv_b as its per-head key and value matrices, dequantised once (`keep_kv_b`); None: at each call
+        self.register_buffer("w_uk_HNC", None, persistent=False)
+        self.register_buffer("w_uv_HVC", None, persistent=False)
+
+    def keep_kv_b(self, dtype: torch.dtype) -> int:
+        """kv_b dequantised to `dtype` once and kept as its two halves, each contiguous (a product reads one whole;
+        a split view of the stored matrix would be copied per call); returns their bytes."""
+        self.w_uk_HNC = self.w_uv_HVC = None
+        w_uk_HNC, w_uv_HVC = self._halves(self._kv_b(dtype))
+        self.w_uk_HNC, self.w_uv_HVC = w_uk_HNC.contiguous(), w_uv_HVC.contiguous()
+        return self.w_uk_HNC.nbytes + self.w_uv_HVC.nbytes
+
+    def _kv_b(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """kv_b [H, N + V, C] in `dtype`, dequantised now; None when its halves are kept in that dtype."""
+        if self.w_uk_HNC is not None and self.w_uk_HNC.dtype == dtype:
+            return None
+        a = self.args
+        return self.kv_b_proj.dense_weight(dtype).view(a.num_attention_heads, -1, a.kv_lora_rank)
+
+    def _halves(self, w_HXC: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key [H, N, C] and value [H, V, C] halves of kv_b: views of w_HXC, or the kept ones."""
+        if w_HXC is None:
+            return self.w_uk_HNC, self.w_uv_HVC
+        return w_HXC.split([self.args.qk_nope_head_dim, self.args.v_head_dim], dim=1)
 
     def _query(self, x_BSD: torch.Tensor) -> torch.Tensor:
         if self.args.q_lora_rank:
@@ -60,7 +84,7 @@ class MLA(nn.Module):
             key_pos_BT = torch.arange(kv_BTC.shape[1], device=pos_BS.device).expand(B, -1)
         kv_BTC, pe_BTR = kv_BTC.to(x_BSD.dtype), pe_BTR.to(x_BSD.dtype)
 
-        w_HXC = self.kv_b_proj.dense_weight(x_BSD.dtype).view(a.num_attention_heads, -1, a.kv_lora_rank)
+        w_HXC = self._kv_b(x_BSD.dtype)
         # a chunk covering every key from position 0 (a whole prompt) is plain causal: no mask needed
         causal = S > 1 and S == kv_BTC.shape[1] and (cache is None or kv_len == S)
         visible_BST = None if causal else key_pos_BT[:, None, :] <= pos_BS[:, :, None]
@@ -73,7 +97,7 @@ class MLA(nn.Module):
     def _absorbed(self, q_nope_BSHN, q_pe_BSHR, kv_BTC, pe_BTR, w_HXC, visible_BST):
         """Decode: queries projected into the latent space; nothing per head is expanded over T."""
         a = self.args
-        w_uk_HNC, w_uv_HVC = w_HXC.split([a.qk_nope_head_dim, a.v_head_dim], dim=1)
+        w_uk_HNC, w_uv_HVC = self._halves(w_HXC)
         q_lat_BSHC = torch.einsum("bshn,hnc->bshc", q_nope_BSHN, w_uk_HNC)
         scores_BSHT = (
             torch.einsum("bshc,btc->bsht", q_lat_BSHC, kv_BTC) + torch.einsum("bshr,btr->bsht", q_pe_BSHR, pe_BTR)
@@ -87,8 +111,12 @@ class MLA(nn.Module):
         """Prefill: keys and values expanded per head, then a fused attention kernel, whose memory grows with
         S·T only through the mask (visible_BST None: plain causal, no mask)."""
         a = self.args
-        kv_BTHX = torch.einsum("btc,hxc->bthx", kv_BTC, w_HXC)
-        k_nope_BTHN, v_BTHV = kv_BTHX.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
+        if w_HXC is None:  # the kept halves
+            k_nope_BTHN = torch.einsum("btc,hnc->bthn", kv_BTC, self.w_uk_HNC)
+            v_BTHV = torch.einsum("btc,hvc->bthv", kv_BTC, self.w_uv_HVC)
+        else:
+            kv_BTHX = torch.einsum("btc,hxc->bthx", kv_BTC, w_HXC)
+            k_nope_BTHN, v_BTHV = kv_BTHX.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
         k_BTHK = expand_keys(k_nope_BTHN, pe_BTR, self.fused)
         causal = visible_BST is None
         o_BHSV = F.scaled_dot_product_attention(q_BSHK.transpose(1, 2), k_BTHK.transpose(1, 2),

@@ -1,0 +1,117 @@
+"""The CPU path with the native kernels (`place(..., cpu_kernel=...)`, what build() does without a GPU): every FP8
+Linear on the native GEMM, kv_b dequantised once, the routed experts in turn with the rest.
+
+Tokens: float32 models keep torch's forms, so placing changes nothing (bit for bit). BF16 numerics move: the
+native GEMM multiplies by the exact FP8 weights where torch's path first rounds them to BF16. On the tiny MoE model
+BF16 rounding flips near-tied expert choices either way, moving logits by O(1) (see tests/model/test_parity.py), so
+tokens are compared on its all-dense variant: free-running greedy decoding agrees before the torch path's first
+near-tie (top-2 gap < TIE), and, teacher-forced along the torch path's tokens, the arg-max agrees at every decisive
+step. Over 16 prompts the two paths' logits differed by up to 0.2 and arg-maxes flipped only at gaps <= 0.062.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+
+from hybrid.config.compose import compose, to_settings
+from hybrid.engine.build import build
+from hybrid.engine.engine import Engine
+from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, place
+from hybrid.engine.plan import Plan
+from hybrid.engine.requests import SamplingParams
+from hybrid.kernels.fp8_linear import DEFAULT_GEMM, CpuFp8Gemm, Fp8Gemm
+from hybrid.model.attention import MLA
+from hybrid.model.layers import Linear
+from hybrid.weights import fp8
+from hybrid.weights.checkpoint import Checkpoint
+from hybrid.weights.loader import load_model
+from hybrid.weights.synthetic import write_checkpoint
+from tests.conftest import model_spec
+
+STEPS = 32
+TIE = 0.1
+
+
+def _model(ck, dtype, cpu_kernel=None, placed=True):
+    m = load_model(Checkpoint(ck), dtype, progress=False)
+    experts_to_cpu_kernels(m)
+    if placed:
+        place(m, torch.device("cpu"), cpu_kernel=cpu_kernel)
+    return m
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    spec = {**model_spec("tiny"), "first_k_dense_replace": 3}
+    return write_checkpoint(tmp_path_factory.mktemp("ck") / "tiny_dense", spec, progress=False)
+
+
+def test_build_without_a_gpu_puts_every_fp8_linear_on_the_native_gemm(monkeypatch):
+    s = to_settings(compose(["+hw=cpu_only"]))
+    engine = build(s, s.hw, progress=False)
+    m = engine.model
+    assert m.dtype == torch.bfloat16
+    linears = [x for x in m.modules() if isinstance(x, Linear)]
+    assert linears and all(isinstance(x.gemm, CpuFp8Gemm) for x in linears)
+    x = torch.zeros(1, 8, dtype=torch.bfloat16)
+    assert all(x_.gemm.path(x, x_.block, 1) == "native" for x_ in linears if x_.block)
+    mlas = [x for x in m.modules() if isinstance(x, MLA)]
+    assert mlas and all(a.w_uk_HNC.dtype == torch.bfloat16 and a.w_uk_HNC.is_contiguous()
+                        and a.w_uv_HVC.is_contiguous() for a in mlas)
+    assert all(not layer.overlap for layer in cpu_experts(m)), "the routed experts take every core in turn"
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight was dequantised while serving")
+    monkeypatch.setattr(fp8, "dequantize", refuse)
+    out = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(4, ignore_eos=True))[0]
+    assert not out.error and len(out.output_ids) == 4
+
+
+def test_the_torch_moe_backend_keeps_torch_forms():
+    s = to_settings(compose(["+hw=cpu_only", "policy.cpu.moe_backend=torch"]))
+    m = build(s, s.hw, progress=False).model
+    assert {type(x.gemm) for x in m.modules() if isinstance(x, Linear)} == {Fp8Gemm}
+
+
+def test_float32_models_are_unchanged_by_the_native_placement(tiny_dir):
+    plain, placed = _model(tiny_dir, torch.float32, placed=False), _model(tiny_dir, torch.float32, "auto")
+    assert all(isinstance(x.gemm, CpuFp8Gemm) for x in placed.modules() if isinstance(x, Linear))
+    t, pos = torch.randint(2, 320, (1, 20), generator=torch.Generator().manual_seed(0)), torch.arange(20)[None]
+    assert torch.equal(placed(t, pos), plain(t, pos))
+    prompt = t[0, :12].tolist()
+    assert _greedy(placed, prompt) == _greedy(plain, prompt)
+
+
+def _greedy(model, prompt) -> list[int]:
+    engine = Engine(model, Plan(max_batch=1, max_context=64, batch_cap=1))
+    return engine.generate([prompt], SamplingParams(STEPS, ignore_eos=True))[0].output_ids
+
+
+def _decode(model, prompt: list[int], tokens: Optional[list[int]] = None) -> tuple[list[int], list[torch.Tensor]]:
+    """Step by step through the KV cache: the arg-max tokens and the logits of each step, along `tokens` when given
+    (teacher-forced), else along the arg-max (greedy)."""
+    cache, slot = model.new_cache(1, 64), torch.tensor([0])
+    logits = [model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache, slot, last_only=True)[0, -1]]
+    for i in range(STEPS - 1):
+        token = tokens[i] if tokens else int(logits[-1].argmax())
+        logits.append(model(torch.tensor([[token]]), torch.tensor([[len(prompt) + i]]), cache, slot)[0, -1])
+    return [int(x.argmax()) for x in logits], logits
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bf16_tokens_through_the_native_path_match_the_torch_path(dense_dir, seed):
+    torch_path, native = _model(dense_dir, torch.bfloat16, placed=False), _model(dense_dir, torch.bfloat16, "auto")
+    assert {type(x.gemm) for x in torch_path.modules() if isinstance(x, Linear)} == {type(DEFAULT_GEMM)}
+    prompt = torch.randint(2, 320, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+    want, want_logits = _decode(torch_path, prompt)
+    margins = [float(x.topk(2)[0].diff().abs()) for x in want_logits]
+    got = _greedy(native, prompt)  # through the engine
+    first_tie = next((i for i, m in enumerate(margins) if m < TIE), STEPS)
+    assert got[:first_tie] == want[:first_tie], f"diverged before the first near-tie (step {first_tie})"
+    decisive = [i for i, m in enumerate(margins) if m >= TIE]
+    assert len(decisive) >= STEPS // 2, f"only {len(decisive)} decisive steps of {STEPS}"
+    _, logits = _decode(native, prompt, want)
+    wrong = [i for i in decisive if int(logits[i].argmax()) != want[i]]
+    assert not wrong, f"teacher-forced arg-max differs at decisive steps {wrong}"
