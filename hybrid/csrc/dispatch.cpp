@@ -8,7 +8,7 @@ namespace hybrid {
 namespace {
 
 const char* kAvx512Needs[] = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi"};
-const char* kAvx2Needs[] = {"avx2", "fma"};
+const char* kAvx2Needs[] = {"avx2", "fma", "f16c"};
 
 template <size_t N>
 std::string missing(const char* const (&needs)[N]) {

@@ -1,26 +1,90 @@
-// AVX2 + FMA kernel (compiled with -mavx2 -mfma): fp32 arithmetic, 8 weights per vector. FP8 -> fp32 exactly:
-// normal codes by placing exponent and mantissa bits and adding the exponent bias, subnormal codes by m * 2^-9.
+// AVX2 + FMA + F16C kernel (compiled with -mavx2 -mfma -mf16c): fp32 arithmetic, 8 weights per vector.
+//
+// FP8 E4M3 -> fp32 in two exact steps. An E4M3 code with its sign moved to bit 15 and its other seven bits to
+// bits 13..7 of a 16-bit lane is an FP16 number worth exactly 2^-8 times the code's value, subnormal codes
+// included (one byte shuffle, one shift and one mask per 16 weights); vcvtph2ps widens FP16 to fp32 exactly,
+// FP16 subnormals too, whatever MXCSR's DAZ/FTZ say. The 2^8 is folded into each 128x128 block's scale, applied
+// once per block dot product ("post-scaling"). The NaN codes 0x7F/0xFF would read as the finite 480: the weight
+// loader rejects checkpoints that contain them.
+//
+// Weights are converted to FP16 into a small L1 buffer and vcvtph2ps reads them from there (on Zen, from memory
+// it issues faster than from a register and stays off the FMA pipes). Up to 4 tokens, R rows stream from memory
+// (prefetched one row group ahead), the next block converted in the same loop as the current one is multiplied,
+// every token against each converted weight. From 5 tokens on, a tile of 18 rows x 512 columns is converted
+// once and every token is multiplied against it, 3 rows x up to 4 tokens at a time. Every output is the same
+// sequence of fp32 operations on every path (per block: 8-column FMAs in column order, then one FMA with the
+// block scale; one horizontal sum at the end), so a token's result does not depend on the batch it came in.
 #include <immintrin.h>
+
+#include <cstring>
 
 #include "gemm.h"
 
 namespace hybrid {
 namespace {
 
-inline __m256 fp8x8(const uint8_t* p) {
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
-  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
-  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.0f / 512));
-  const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag));
-  const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24));
-  return _mm256_or_ps(_mm256_blendv_ps(normal, sub, is_sub), sign);
+inline int64_t lo(int64_t a, int64_t b) { return a < b ? a : b; }
+
+constexpr int64_t kStep = 16;       // columns per step: two fp32 vectors
+constexpr int kPanelRows = 18;      // prefill tile: rows ...
+constexpr int64_t kPanelK = 512;    // ... x columns (four scale blocks): 18 KB of FP16
+constexpr int kPanelR = 3;          // prefill: rows per multiply (x 4 tokens: 12 accumulators)
+constexpr float kFp8Post = 256.0f;  // FP16-coded FP8 weights read 2^-8 of their value
+
+// 16 E4M3 codes at p -> FP16 codes of 2^-8 x their values at h (32-byte aligned), natural order.
+inline void fp8_to_fp16(const uint8_t* p, uint16_t* h) {
+  const __m256i spread = _mm256_setr_epi8(-128, 0, -128, 1, -128, 2, -128, 3, -128, 4, -128, 5, -128, 6, -128, 7,
+                                          -128, 8, -128, 9, -128, 10, -128, 11, -128, 12, -128, 13, -128, 14, -128, 15);
+  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i hi = _mm256_shuffle_epi8(v, spread);  // code j in the high byte of lane j
+  _mm256_store_si256(reinterpret_cast<__m256i*>(h),
+                     _mm256_and_si256(_mm256_srai_epi16(hi, 1), _mm256_set1_epi16(int16_t(0xBF80))));
 }
 
-inline __m256 bf16x8(const uint16_t* p) {
-  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+// The n < 16 codes at p (zero-padded to 16) -> h.
+inline void fp8_to_fp16_tail(const uint8_t* p, int64_t n, uint16_t* h) {
+  alignas(16) uint8_t t[kStep] = {};
+  std::memcpy(t, p, size_t(n));
+  fp8_to_fp16(t, h);
 }
+
+inline __m256 bf16x8(__m128i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)); }
+
+inline __m256 fp16x8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Weight views for the multiply: get(r, k) = row r, columns k..k+7 as fp32; get_tail the same where fewer than
+// 8 columns (n, possibly <= 0) are left, the rest zero.
+struct Fp16Tile {  // converted rows: row r, column k at buf[r * ld + k - k0], zero-padded to whole steps
+  const uint16_t* buf;
+  int64_t ld, k0;
+  __m256 get(int r, int64_t k) const { return fp16x8(buf + r * ld + (k - k0)); }
+  __m256 get_tail(int r, int64_t k, int64_t) const { return get(r, k); }
+  Fp16Tile from(int r) const { return {buf + r * ld, ld, k0}; }
+};
+
+constexpr int64_t kRing = 2 * kBlock;  // columns a streaming row keeps converted: the block in use and the next
+
+struct Fp16Ring {  // streaming rows: row r, column k at buf[r * kRing + k % kRing], zero-padded to whole steps
+  const uint16_t* buf;
+  __m256 get(int r, int64_t k) const { return fp16x8(buf + r * kRing + (k & (kRing - 1))); }
+  __m256 get_tail(int r, int64_t k, int64_t) const { return get(r, k); }
+};
+
+struct Bf16Rows {  // BF16 weights read in place
+  const uint16_t* w;
+  int64_t ldw;
+  __m256 get(int r, int64_t k) const {
+    return bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * ldw + k)));
+  }
+  __m256 get_tail(int r, int64_t k, int64_t n) const {
+    alignas(16) uint16_t t[8] = {};
+    if (n > 0) std::memcpy(t, w + r * ldw + k, size_t(n) * sizeof(uint16_t));
+    return bf16x8(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+  }
+  Bf16Rows from(int r) const { return {w + r * ldw, ldw}; }
+};
 
 inline float hsum(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -28,37 +92,233 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-inline __m256 weights8(const GemmProblem& p, int64_t n, int64_t k) {
-  if (p.wt == WeightType::fp8) return fp8x8(static_cast<const uint8_t*>(p.w) + n * p.ldw + k);
-  return bf16x8(static_cast<const uint16_t*>(p.w) + n * p.ldw + k);
-}
-
-inline float weight1(const GemmProblem& p, int64_t n, int64_t k) {
-  if (p.wt == WeightType::fp8) return fp8_to_float(static_cast<const uint8_t*>(p.w)[n * p.ldw + k]);
-  return bf16_to_float(static_cast<const uint16_t*>(p.w)[n * p.ldw + k]);
-}
-
-float row_dot(const GemmProblem& p, const float* x, int64_t n) {
-  float acc = 0.f;
-  for (int64_t kb = 0; kb < p.K; kb += kBlock) {
-    const int64_t ke = p.K < kb + kBlock ? p.K : kb + kBlock;
-    __m256 blk = _mm256_setzero_ps();
-    int64_t k = kb;
-    for (; k + 8 <= ke; k += 8) blk = _mm256_fmadd_ps(weights8(p, n, k), _mm256_loadu_ps(x + k), blk);
-    float b = hsum(blk);
-    for (; k < ke; ++k) b += weight1(p, n, k) * x[k];
-    acc += p.scale ? b * p.scale[(n / kBlock) * p.lds + kb / kBlock] : b;
+// Columns [k, k + 16) of rows 0..R-1 against tokens 0..MT-1 (x: fp32, zero-padded): blk[r][m] += w[r] x[m], 8
+// columns at a time. Fewer tokens than rows: the tokens' activations sit in registers and each row's weights
+// stream through one; otherwise the other way round. `left`: columns left before K (tail steps only).
+template <int R, int MT, bool kTail, class W>
+inline void step(const W& w, const float* x, int64_t ldx, int64_t k, int64_t left, __m256 (&blk)[R][MT]) {
+  for (int64_t kh = k; kh < k + kStep; kh += 8) {
+    auto get = [&](int r) { return kTail && kh + 8 > k + left ? w.get_tail(r, kh, k + left - kh) : w.get(r, kh); };
+    if (MT < R) {
+      __m256 xv[MT];
+      for (int m = 0; m < MT; ++m) xv[m] = _mm256_load_ps(x + m * ldx + kh);
+      for (int r = 0; r < R; ++r) {
+        const __m256 wv = get(r);
+        for (int m = 0; m < MT; ++m) blk[r][m] = _mm256_fmadd_ps(wv, xv[m], blk[r][m]);
+      }
+    } else {
+      __m256 wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = get(r);
+      for (int m = 0; m < MT; ++m) {
+        const __m256 xv = _mm256_load_ps(x + m * ldx + kh);
+        for (int r = 0; r < R; ++r) blk[r][m] = _mm256_fmadd_ps(wv[r], xv, blk[r][m]);
+      }
+    }
   }
-  return acc;
+}
+
+// After a block: tot[r * ldt + m] += blk[r][m] * the block's scale.
+template <int R, int MT>
+inline void post_scale(__m256 (&blk)[R][MT], float scale, __m256* tot, int64_t ldt) {
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) tot[r * ldt + m] = _mm256_fmadd_ps(blk[r][m], s, tot[r * ldt + m]);
+}
+
+template <int R, int MT>
+inline void zero(__m256 (&blk)[R][MT]) {
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) blk[r][m] = _mm256_setzero_ps();
+}
+
+// Scale blocks [kb0, kb1) of rows 0..R-1 against tokens 0..MT-1, into tot.
+template <int R, int MT, class W>
+inline void multiply(const W& w, const float* x, int64_t ldx, int64_t K, int64_t kb0, int64_t kb1,
+                     const float* srow, float post, __m256* tot, int64_t ldt) {
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
+    const int64_t k0 = kb * kBlock, k1 = lo(K, k0 + kBlock), full = k0 + (k1 - k0) / kStep * kStep;
+    __m256 blk[R][MT];
+    zero(blk);
+    for (int64_t k = k0; k < full; k += kStep) step<R, MT, false>(w, x, ldx, k, 0, blk);
+    if (full < k1) step<R, MT, true>(w, x, ldx, full, k1 - full, blk);
+    post_scale(blk, srow ? srow[kb] * post : 1.0f, tot, ldt);
+  }
+}
+
+struct Job {
+  const GemmProblem& p;
+  const float* x;  // activations in fp32, [M, ldx], zero-padded to whole steps
+  int64_t ldx;
+  uint16_t* buf;   // FP16 conversion buffer: a prefill tile, or a streaming row group's ring
+  __m256* tot;     // prefill block totals, [kPanelRows, M]
+  bool fp8() const { return p.wt == WeightType::fp8; }
+  const float* srow(int64_t n) const { return p.scale ? p.scale + (n / kBlock) * p.lds : nullptr; }
+  const uint8_t* w8(int64_t n) const { return static_cast<const uint8_t*>(p.w) + n * p.ldw; }
+  const uint16_t* w16(int64_t n) const { return static_cast<const uint16_t*>(p.w) + n * p.ldw; }
+};
+
+// Columns [c, c + 16) of rows 0..R-1 into the ring, prefetching `ahead` bytes on (0: none).
+template <int R, bool kTail>
+inline void convert_step(const uint8_t* w, int64_t ldw, int64_t K, int64_t c, uint16_t* ring, int64_t ahead) {
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* p = w + r * ldw + c;
+    uint16_t* h = ring + r * kRing + (c & (kRing - 1));
+    if (ahead && (c & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T1);
+    if (kTail && c + kStep > K) fp8_to_fp16_tail(p, K - c, h);
+    else fp8_to_fp16(p, h);
+  }
+}
+
+template <int R>
+void convert_block(const uint8_t* w, int64_t ldw, int64_t K, int64_t k0, uint16_t* ring, int64_t ahead) {
+  for (int64_t c = k0; c < lo(K, k0 + kBlock); c += kStep) convert_step<R, true>(w, ldw, K, c, ring, ahead);
+}
+
+// Decode: rows n..n+R-1 (one scale row) against all M = MT tokens. FP8 rows are converted one block ahead of
+// the multiply, in the same loop, so conversion and FMAs overlap.
+template <int R, int MT>
+void stream_rows(const Job& j, int64_t n, int64_t ahead) {
+  const GemmProblem& p = j.p;
+  __m256 tot[R * MT];
+  for (int i = 0; i < R * MT; ++i) tot[i] = _mm256_setzero_ps();
+  const int64_t blocks = (p.K + kBlock - 1) / kBlock;
+  if (j.fp8()) {
+    const uint8_t* w = j.w8(n);
+    const float* srow = j.srow(n);
+    const Fp16Ring ring{j.buf};
+    convert_block<R>(w, p.ldw, p.K, 0, j.buf, ahead);
+    for (int64_t kb = 0; kb < blocks; ++kb) {
+      const int64_t k0 = kb * kBlock, k1 = lo(p.K, k0 + kBlock);
+      const bool next_full = k1 + kBlock <= p.K;
+      if (!next_full && k1 < p.K) convert_block<R>(w, p.ldw, p.K, k1, j.buf, ahead);
+      __m256 blk[R][MT];
+      zero(blk);
+      if (next_full) {
+        for (int64_t k = k0; k < k1; k += kStep) {
+          convert_step<R, false>(w, p.ldw, p.K, k + kBlock, j.buf, ahead);
+          step<R, MT, false>(ring, j.x, j.ldx, k, 0, blk);
+        }
+      } else {
+        for (int64_t k = k0; k < k1; k += kStep) step<R, MT, false>(ring, j.x, j.ldx, k, 0, blk);
+      }
+      post_scale(blk, srow[kb] * kFp8Post, tot, MT);
+    }
+  } else {
+    multiply<R, MT>(Bf16Rows{j.w16(n), p.ldw}, j.x, j.ldx, p.K, 0, blocks, nullptr, 1.0f, tot, MT);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) p.y[m * p.ldy + n + r] = hsum(tot[r * MT + m]);
+}
+
+// Rows [n0, n1): R at a time where they share a scale row (prefetching the next R), else 2 or 1.
+template <int R, int MT>
+void stream(const Job& j, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1;) {
+    const int64_t fit = lo(n1 - n, kBlock - n % kBlock);
+    if (fit >= R) {
+      stream_rows<R, MT>(j, n, R * j.p.ldw);
+      n += R;
+    } else if (R > 2 && fit >= 2) {
+      stream_rows<2, MT>(j, n, 0);
+      n += 2;
+    } else {
+      stream_rows<1, MT>(j, n, 0);
+      n += 1;
+    }
+  }
+}
+
+template <int R, class W>
+void tile_rows(const Job& j, const W& w, const float* x, int64_t mt, int64_t kb0, int64_t kb1, const float* srow,
+               float post, __m256* tot) {
+  const GemmProblem& p = j.p;
+  switch (mt) {
+    case 4: return multiply<R, 4>(w, x, j.ldx, p.K, kb0, kb1, srow, post, tot, p.M);
+    case 3: return multiply<R, 3>(w, x, j.ldx, p.K, kb0, kb1, srow, post, tot, p.M);
+    case 2: return multiply<R, 2>(w, x, j.ldx, p.K, kb0, kb1, srow, post, tot, p.M);
+    default: return multiply<R, 1>(w, x, j.ldx, p.K, kb0, kb1, srow, post, tot, p.M);
+  }
+}
+
+// Every token against `rows` converted rows, scale blocks [kb0, kb1): tokens in near-equal groups of up to 4.
+template <class W>
+void tile_tokens(const Job& j, const W& w, int rows, int64_t kb0, int64_t kb1, const float* srow, float post) {
+  const int64_t M = j.p.M, groups = (M + 3) / 4;
+  for (int64_t g = 0, m = 0; g < groups; ++g) {
+    const int64_t mt = M / groups + (g < M % groups);
+    const float* x = j.x + m * j.ldx;
+    for (int r = 0; r < rows;) {
+      __m256* t = j.tot + r * M + m;
+      if (rows - r >= kPanelR) {
+        tile_rows<kPanelR>(j, w.from(r), x, mt, kb0, kb1, srow, post, t);
+        r += kPanelR;
+      } else if (rows - r >= 2) {
+        tile_rows<2>(j, w.from(r), x, mt, kb0, kb1, srow, post, t);
+        r += 2;
+      } else {
+        tile_rows<1>(j, w.from(r), x, mt, kb0, kb1, srow, post, t);
+        r += 1;
+      }
+    }
+    m += mt;
+  }
+}
+
+// Prefill: tiles of up to kPanelRows rows (one scale row) x kPanelK columns, each FP8 tile converted once.
+void tiles(const Job& j, int64_t n0, int64_t n1) {
+  const GemmProblem& p = j.p;
+  for (int64_t g = n0; g < n1;) {
+    const int rows = int(lo(lo(kPanelRows, n1 - g), kBlock - g % kBlock));
+    for (int64_t i = 0; i < rows * p.M; ++i) j.tot[i] = _mm256_setzero_ps();
+    for (int64_t kc = 0; kc < p.K; kc += kPanelK) {
+      const int64_t kn = lo(kPanelK, p.K - kc), kb0 = kc / kBlock, kb1 = (kc + kn + kBlock - 1) / kBlock;
+      if (j.fp8()) {
+        const int64_t full = kn / kStep * kStep;
+        const bool last = kc + kPanelK >= p.K;
+        for (int r = 0; r < rows; ++r) {
+          const uint8_t* w = j.w8(g + r) + kc;
+          uint16_t* h = j.buf + r * kPanelK;
+          // Prefetch what this row's slot converts next: the next columns, or the next tile's first ones.
+          const uint8_t* next = last ? (g + rows + r < n1 ? j.w8(g + rows + r) : nullptr) : w + kPanelK;
+          if (next)
+            for (int64_t k = 0; k < kPanelK; k += 64) _mm_prefetch(reinterpret_cast<const char*>(next + k), _MM_HINT_T1);
+          for (int64_t k = 0; k < full; k += kStep) fp8_to_fp16(w + k, h + k);
+          if (full < kn) fp8_to_fp16_tail(w + full, kn - full, h + full);
+        }
+        tile_tokens(j, Fp16Tile{j.buf, kPanelK, kc}, rows, kb0, kb1, j.srow(g), kFp8Post);
+      } else {
+        tile_tokens(j, Bf16Rows{j.w16(g), p.ldw}, rows, kb0, kb1, nullptr, 1.0f);
+      }
+    }
+    for (int r = 0; r < rows; ++r)
+      for (int64_t m = 0; m < p.M; ++m) p.y[m * p.ldy + g + r] = hsum(j.tot[r * p.M + m]);
+    g += rows;
+  }
 }
 
 }  // namespace
 
 void gemm_rows_avx2(const GemmProblem& p, int64_t n0, int64_t n1) {
-  float* x = thread_floats(p.K);
+  // One scratch allocation: activations in fp32, the FP16 conversion buffer, the prefill block totals.
+  const int64_t ldx = (p.K + kStep - 1) / kStep * kStep;
+  const int64_t xn = p.M * ldx, bn = kPanelRows * kPanelK / 2, tn = kPanelRows * p.M * 8;
+  float* x = thread_floats(xn + bn + tn);
   for (int64_t m = 0; m < p.M; ++m) {
-    for (int64_t k = 0; k < p.K; ++k) x[k] = bf16_to_float(p.x[m * p.ldx + k]);
-    for (int64_t n = n0; n < n1; ++n) p.y[m * p.ldy + n] = row_dot(p, x, n);
+    const uint16_t* xs = p.x + m * p.ldx;
+    float* xd = x + m * ldx;
+    int64_t k = 0;
+    for (; k + 8 <= p.K; k += 8)
+      _mm256_store_ps(xd + k, bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xs + k))));
+    for (; k < p.K; ++k) xd[k] = bf16_to_float(xs[k]);
+    for (; k < ldx; ++k) xd[k] = 0.f;
+  }
+  const Job j{p, x, ldx, reinterpret_cast<uint16_t*>(x + xn), reinterpret_cast<__m256*>(x + xn + bn)};
+  switch (p.M) {  // rows per streaming pass: 8 to 12 accumulators
+    case 1: return stream<8, 1>(j, n0, n1);
+    case 2: return stream<4, 2>(j, n0, n1);
+    case 3: return stream<3, 3>(j, n0, n1);
+    case 4: return stream<3, 4>(j, n0, n1);
+    default: return tiles(j, n0, n1);
   }
 }
 

@@ -237,7 +237,7 @@ def test_auto_is_best(monkeypatch):
     monkeypatch.delenv(dispatch.ENV, raising=False)
     f = cpu_features()
     needs = {"avx512_bf16": ["avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi"],
-             "avx2": ["avx2", "fma"], "generic": []}
+             "avx2": ["avx2", "fma", "f16c"], "generic": []}
     expected = next(v for v in dispatch.VARIANTS if all(f.get(n, False) for n in needs[v]))
     assert VARIANTS[0] == expected and "generic" in VARIANTS
     assert dispatch.selected() == dispatch.selected("auto") == expected
