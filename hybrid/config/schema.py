@@ -332,14 +332,11 @@ class HybridConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
 
     def __post_init__(self) -> None:
+        from hybrid.engine.requests import SamplingParams  # the one place sampling fields are checked
+
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        SamplingParams(self.max_new_tokens, self.temperature, self.top_p, self.top_k, self.seed)
 
 
 def register() -> None:

@@ -1,1 +1,2 @@
-"""The engine: the generation loop over the model, its KV cache and the sampler."""
+"""The serving engine: the Engine (requests, steps), its scheduler, the resolved plan and memory ledger, and the
+passes that place the model (routed experts on the CPU kernels, the rest on the compute device)."""
