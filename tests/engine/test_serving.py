@@ -185,6 +185,8 @@ def test_bad_requests_fail_alone_with_a_clear_reason(tiny_model):
         engine.add_request([3], SamplingParams(2, stop=("x",)))
     with pytest.raises(RequestError, match="top_p"):
         SamplingParams(top_p=0)
+    with pytest.raises(RequestError, match="at most 16 stop strings of at most 256"):
+        SamplingParams(stop=("x" * 257,))
     while engine.has_work():
         tokens += [t for o in engine.step() if o.id == good for t in o.new_token_ids]
     assert tokens == _solo(tiny_model, _prompt(5, 1, v), _greedy(6))

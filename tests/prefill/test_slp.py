@@ -402,6 +402,40 @@ def test_chunked_slp_prefill_equals_one_pass(tiny_dir):
     _same_cache(slp, ref, len(prompt))
 
 
+def test_a_chunked_slp_prefill_keeps_no_pipeline_alive(tiny_dir):
+    """Each chunk hands back its statistics, not its pipeline: the ring goes back to the loader and the group buffer
+    is let go before the next chunk streams (kept alive, a long prompt held one buffer and ring per chunk)."""
+    import gc
+    import weakref
+
+    _, hybrid = _models(tiny_dir)
+    loader, pipes = StreamLoader(), []
+
+    def long_prefill(tokens, **_):
+        context = loader.streaming(hybrid, CPU, 2, BIG, group=8)
+        pipe = context.__enter__()
+        pipes.append(weakref.ref(pipe))
+        return _Entered(context, pipe)
+
+    stats = _engine(hybrid, long_prefill, cutoff=16, chunk=16).prefill(list(range(2, 45)))[1]
+    gc.collect()
+    assert [sorted(x) for x in stats] == [["expert_loop_cpu_s", "expert_loop_s", "group_sizes"]] * 3
+    assert all(ref() is None for ref in pipes), "no pipeline outlives its chunk"
+
+
+class _Entered:
+    """A context already entered: exits it."""
+
+    def __init__(self, context, value):
+        self.context, self.value = context, value
+
+    def __enter__(self):
+        return self.value
+
+    def __exit__(self, *exc):
+        return self.context.__exit__(*exc)
+
+
 def test_auto_groups_where_a_grouped_gemm_applies_and_quietly_goes_one_at_a_time_elsewhere(monkeypatch):
     assert slp.group_size(None, CPU, torch.float32) == slp.AUTO_GROUP > 1
     assert slp.group_size(5, CPU, torch.float32) == 5
