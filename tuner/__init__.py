@@ -1,3 +1,3 @@
-"""The policy tuner: `python -m tuner +hw=NAME` measures policies on this machine (Optuna; one
-`python -m hybrid mode=bench bench=slo` subprocess per trial), records everything in MLflow, and writes the best
-policy to conf/policy/<hw>.yaml, which `+hw=<hw>` then uses."""
+"""The policy tuner: `python -m tuner +hw=NAME` measures policies on this machine (Optuna; a
+long-lived trial worker keeps the model loaded and measures trial after trial), records everything in MLflow, and
+writes the best policy to conf/policy/<hw>.yaml, which `+hw=<hw>` then uses."""

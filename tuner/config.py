@@ -13,13 +13,34 @@ from hybrid.config.schema import HybridConfig, PolicyConfig
 
 
 class Objective(Enum):
-    constrained = "constrained"
-    pareto = "pareto"
+    decode_tok_s = "decode_tok_s"  # bench=slo's decode tokens/s (maximise), one prompt size
+    goodput = "goodput"  # the workload's requests/s meeting its TTFT and TPOT limits (maximise)
+    ttft_p90 = "ttft_p90"  # the workload's p90 TTFT (minimise) subject to p90 TPOT <= its TPOT limit
+    pareto = "pareto"  # the workload's p90 TTFT and p90 TPOT (both minimised); the policy: the front's best goodput
 
 
-class Direction(Enum):
-    minimize = "minimize"
-    maximize = "maximize"
+@dataclass(frozen=True)
+class Goal:
+    """What an objective measures (`slo`: bench=slo's report card; `workload`: the workload driven at the engine)
+    and optimises: metric -> direction."""
+    measure: str
+    metrics: Dict[str, str]
+
+
+GOALS = {Objective.decode_tok_s: Goal("slo", {"decode_tok_s": "maximize"}),
+         Objective.goodput: Goal("workload", {"goodput_req_s": "maximize"}),
+         Objective.ttft_p90: Goal("workload", {"ttft_p90_s": "minimize"}),
+         Objective.pareto: Goal("workload", {"ttft_p90_s": "minimize", "tpot_p90_s": "minimize"})}
+
+
+class Sampler(Enum):
+    tpe = "tpe"  # TPE, warm-started with the current policy
+    grid = "grid"  # every combination of the space's values (int ranges by their step), each once
+
+
+class Cutoff(Enum):
+    measure = "measure"  # the crossover of the two prefill paths' TTFT on the workload's prompt lengths
+    search = "search"  # sampled like any other knob
 
 
 class KnobType(Enum):
@@ -36,21 +57,25 @@ class Knob:
     step: Optional[float] = None
     log: bool = False
     choices: List[Any] = field(default_factory=list)  # categorical; null is a choice too (the knob's auto)
+    # A change of this knob needs the model loaded and placed again (the trial worker restarts); false: the worker
+    # rebuilds the engine around the placed model. null: as the engine says (hybrid/engine/build.py REBUILDABLE).
+    reload: Optional[bool] = None
 
 
 @dataclass
 class TunerConfig:
     n_trials: int = 20
-    objective: Objective = Objective.constrained
-    metric: str = "decode_tok_s"
-    direction: Direction = Direction.maximize
-    pareto: Dict[str, Direction] = field(default_factory=lambda: {"ttft_s": Direction.minimize,
-                                                                    "tpot_s": Direction.minimize})
-    limits: Dict[str, float] = field(default_factory=lambda: {"ttft_s": 30.0})
-    # group -> knob -> {type, low, high, step, log, choices}, nested like the policy: plain dicts for Hydra (a knob
-    # can be added on the command line: '+tuner.space.kv.max_batch={type:int,low:1,high:8}'), checked below and
-    # flattened to Knobs by dotted path ("cpu.threads": the policy knob, the Optuna parameter's name)
-    space: Dict[str, Any] = field(default_factory=dict)
+    objective: Objective = Objective.goodput
+    # Extra constraints, whatever the objective: metric -> most it may be (ttft_p90 adds its own TPOT limit)
+    limits: Dict[str, float] = field(default_factory=dict)
+    # The search space per kind of hw profile (gpu: the profile lists GPUs; cpu_only: it does not). Each: group ->
+    # knob -> {type, low, high, step, log, choices, reload}, nested like the policy: plain dicts for Hydra (a knob
+    # can be added on the command line: '+tuner.spaces.gpu.kv.max_batch={type:int,low:1,high:8}'), checked below
+    # and flattened to Knobs by dotted path ("cpu.threads": the policy knob, the Optuna parameter's name)
+    spaces: Dict[str, Any] = field(default_factory=lambda: {"cpu_only": {}, "gpu": {}})
+    cutoff: Cutoff = Cutoff.measure
+    crossover_lengths: int = 5  # prompt lengths the cutoff is measured at, spread over the workload's range
+    sampler: Sampler = Sampler.tpe
     enqueue: List[Dict[str, Any]] = field(default_factory=list)  # knob -> value, nested or by dotted path
     storage: str = ""
     study_name: str = ""
@@ -61,7 +86,7 @@ class TunerConfig:
     grace_s: int = 30
     max_retry: int = 2
     write_policy: bool = True
-    trial_module: str = "hybrid"  # each trial runs `python -m <it> mode=bench bench=slo ...`
+    trial_module: str = "tuner.worker"  # `python -m <it> <overrides>`: the trial worker, or a wrapper of its main()
 
     def __post_init__(self) -> None:
         if self.n_trials < 1:
@@ -73,14 +98,32 @@ class TunerConfig:
         if self.heartbeat_s < 1 or self.grace_s <= self.heartbeat_s:
             raise ValueError(f"tuner: need heartbeat_s >= 1 and grace_s > heartbeat_s, got {self.heartbeat_s}, "
                              f"{self.grace_s}")
-        self.space = knobs(self.space)
-        for name, knob in self.space.items():
-            if knob.type == KnobType.categorical and not knob.choices:
-                raise ValueError(f"tuner.space.{name}: categorical without choices")
-            if knob.type != KnobType.categorical and (knob.low is None or knob.high is None):
-                raise ValueError(f"tuner.space.{name}: {knob.type.value} needs low and high")
-        if self.objective == Objective.pareto and len(self.pareto) < 2:
-            raise ValueError("tuner.pareto: a Pareto front needs two or more metrics")
+        if set(self.spaces) != set(SPACE_KINDS):
+            raise ValueError(f"tuner.spaces: one space per kind of profile, {' and '.join(SPACE_KINDS)}; got "
+                             f"{sorted(self.spaces)}")
+        if self.crossover_lengths < 2:
+            raise ValueError(f"tuner.crossover_lengths must be >= 2, got {self.crossover_lengths}")
+        self.spaces = {kind: knobs(space or {}, f"{kind}.") for kind, space in self.spaces.items()}
+        for kind, space in self.spaces.items():
+            for name, knob in space.items():
+                where = f"tuner.spaces.{kind}.{name}"
+                if knob.type == KnobType.categorical and not knob.choices:
+                    raise ValueError(f"{where}: categorical without choices")
+                if knob.type != KnobType.categorical and (knob.low is None or knob.high is None):
+                    raise ValueError(f"{where}: {knob.type.value} needs low and high")
+                if self.sampler == Sampler.grid and knob.type == KnobType.float and knob.step is None:
+                    raise ValueError(f"{where}: tuner.sampler=grid needs a step for a float knob")
+
+    @property
+    def goal(self) -> Goal:
+        return GOALS[self.objective]
+
+    def space(self, gpu: bool) -> dict[str, Knob]:
+        """The space of a profile with GPUs (gpu) or without."""
+        return self.spaces["gpu" if gpu else "cpu_only"]
+
+
+SPACE_KINDS = ("cpu_only", "gpu")
 
 
 def knob_paths(schema: type = PolicyConfig, prefix: str = "") -> list[str]:
@@ -98,19 +141,19 @@ def groups() -> set[str]:
     return {path.rsplit(".", 1)[0] for path in knob_paths() if "." in path}
 
 
-def knobs(space: Mapping[str, Any], prefix: str = "") -> dict[str, Knob]:
-    """The space, nested like the policy ({cpu: {threads: {type: int, ...}}}; dotted keys work too), as
-    {"cpu.threads": Knob}; a path that is no policy knob is refused."""
+def knobs(space: Mapping[str, Any], where: str = "", prefix: str = "") -> dict[str, Knob]:
+    """A space, nested like the policy ({cpu: {threads: {type: int, ...}}}; dotted keys work too), as
+    {"cpu.threads": Knob}; a path that is no policy knob is refused (`where`: the space's name in messages)."""
     out: dict[str, Knob] = {}
     known = knob_paths()
     for key, spec in space.items():
         path = f"{prefix}{key}"
         if path in known:
-            out[path] = _knob(path, spec)
+            out[path] = _knob(f"{where}{path}", spec)
         elif path in groups() and isinstance(spec, Mapping):
-            out.update(knobs(spec, f"{path}."))
+            out.update(knobs(spec, where, f"{path}."))
         else:
-            raise ValueError(f"tuner.space.{path}: not a policy knob (known: {', '.join(known)})")
+            raise ValueError(f"tuner.spaces.{where}{path}: not a policy knob (known: {', '.join(known)})")
     return out
 
 
@@ -130,15 +173,15 @@ def _knob(name: str, spec: Any) -> Knob:
     if isinstance(spec, Knob):
         return spec
     if not isinstance(spec, dict):
-        raise ValueError(f"tuner.space.{name}: expected {{type: ..., ...}}, got {spec!r}")
+        raise ValueError(f"tuner.spaces.{name}: expected {{type: ..., ...}}, got {spec!r}")
     unknown = set(spec) - set(Knob.__dataclass_fields__)
     if unknown:
-        raise ValueError(f"tuner.space.{name}: unknown field {sorted(unknown)[0]} (known: type, low, high, step, log, "
-                         "choices)")
+        raise ValueError(f"tuner.spaces.{name}: unknown field {sorted(unknown)[0]} (known: type, low, high, step, log, "
+                         "choices, reload)")
     try:
         kind = KnobType(spec.get("type", "categorical"))
     except ValueError:
-        raise ValueError(f"tuner.space.{name}.type: int, float or categorical, got {spec.get('type')!r}") from None
+        raise ValueError(f"tuner.spaces.{name}.type: int, float or categorical, got {spec.get('type')!r}") from None
     return Knob(**{**spec, "type": kind, "choices": list(spec.get("choices") or [])})
 
 

@@ -1,22 +1,24 @@
-"""The search space: declared in conf/tuner/ (policy knob -> how to sample it, nested like the policy), resolved
-against this machine, hashed into the study's version, sampled per trial, and the current policy as the warm start.
-A knob's name here is its dotted path in the policy ("cpu.threads"): the Optuna parameter and the trial's override
-`policy.cpu.threads=...`. null (None) is a categorical choice like any other: the knob's auto."""
+"""The search space: declared in conf/tuner/ per kind of profile (with GPUs or without; policy knob -> how to sample
+it, nested like the policy), resolved against this machine, hashed into the study's version, sampled per trial, and
+the current policy as the warm start; the objective's metrics, directions and constraints. A knob's name here is its
+dotted path in the policy ("cpu.threads"): the Optuna parameter and the key of the trial's policy. null (None) is a
+categorical choice like any other: the knob's auto."""
 from __future__ import annotations
 
 import hashlib
 import json
 from typing import Any
 
+from hybrid.errors import ConfigError
 from tuner.config import KnobType, Objective, TuneConfig
 
 
-def resolve(cfg: TuneConfig, cores: int, kernels: list[str]) -> dict[str, dict[str, Any]]:
-    """Plain dicts by knob path, with the machine filled in: cpu.threads' high 0 = `cores`; cpu.kernel variants this
-    CPU lacks dropped (null stays: the best it has). The result is what the study samples and what its version
-    hashes."""
+def resolve(cfg: TuneConfig, gpu: bool, cores: int, kernels: list[str]) -> dict[str, dict[str, Any]]:
+    """The space of this kind of profile (gpu: it has GPUs) as plain dicts by knob path, with the machine filled in:
+    cpu.threads' high 0 = `cores`; cpu.kernel variants this CPU lacks dropped (null stays: the best it has). The
+    result is what the study samples and what its version hashes."""
     out: dict[str, dict[str, Any]] = {}
-    for name, knob in sorted(cfg.tuner.space.items()):
+    for name, knob in sorted(cfg.tuner.space(gpu).items()):
         if knob.type == KnobType.categorical:
             choices = list(knob.choices)
             if name == "cpu.kernel":
@@ -27,8 +29,9 @@ def resolve(cfg: TuneConfig, cores: int, kernels: list[str]) -> dict[str, dict[s
         low, high = cast(knob.low), cast(knob.high)
         if name == "cpu.threads" and high == 0:
             high = cores
+        low = min(low, high) if name == "cpu.threads" else low  # a machine with fewer cores than the space's low
         if high < low:
-            raise ValueError(f"tuner.space.{name}: high {high} < low {low}")
+            raise ValueError(f"tuner.spaces.{name}: high {high} < low {low}")
         spec = {"type": knob.type.value, "low": low, "high": high, "log": knob.log}
         if knob.step is not None:
             spec["step"] = cast(knob.step)
@@ -36,43 +39,86 @@ def resolve(cfg: TuneConfig, cores: int, kernels: list[str]) -> dict[str, dict[s
     return out
 
 
+def reload_knobs(cfg: TuneConfig, gpu: bool, rebuildable: frozenset) -> set[str]:
+    """The knobs of the space whose change needs the model placed again (the trial worker restarts): tagged
+    `reload: true`, or untagged and not among those the engine rebuilds. `reload: false` on a knob the engine cannot
+    rebuild is refused."""
+    out = set()
+    for name, knob in cfg.tuner.space(gpu).items():
+        if knob.reload is False and name not in rebuildable:
+            raise ConfigError(f"tuner.spaces.{'gpu' if gpu else 'cpu_only'}.{name}: reload: false, but the engine "
+                              "cannot change it without placing the model again (it rebuilds "
+                              f"{', '.join(sorted(rebuildable))})")
+        if knob.reload or (knob.reload is None and name not in rebuildable):
+            out.add(name)
+    return out
+
+
 def objective_spec(cfg: TuneConfig) -> dict[str, Any]:
     t = cfg.tuner
-    spec: dict[str, Any] = {"objective": t.objective.value, "limits": dict(sorted(t.limits.items()))}
-    if t.objective == Objective.constrained:
-        spec.update(metric=t.metric, direction=t.direction.value)
-    else:
-        spec["pareto"] = {k: v.value for k, v in t.pareto.items()}
+    spec: dict[str, Any] = {"objective": t.objective.value, "metrics": dict(t.goal.metrics),
+                            "limits": dict(sorted(limits(cfg).items()))}
+    if t.sampler.value != "tpe":
+        spec["sampler"] = t.sampler.value
     return spec
 
 
-def directions(cfg: TuneConfig) -> list[str]:
+def limits(cfg: TuneConfig) -> dict[str, float]:
+    """Feasible only if metric <= limit for each: tuner.limits, and the objective's own (no failed request under a
+    workload; ttft_p90: p90 TPOT within the workload's limit)."""
     t = cfg.tuner
-    if t.objective == Objective.constrained:
-        return [t.direction.value]
-    return [d.value for d in t.pareto.values()]
+    out = dict(t.limits)
+    if t.goal.measure == "workload":
+        out.setdefault("errors", 0.0)
+    if t.objective == Objective.ttft_p90:
+        out.setdefault("tpot_p90_s", cfg.workload.tpot_limit_s)
+    return out
+
+
+def directions(cfg: TuneConfig) -> list[str]:
+    return list(cfg.tuner.goal.metrics.values())
 
 
 def objective_metrics(cfg: TuneConfig) -> list[str]:
-    t = cfg.tuner
-    return [t.metric] if t.objective == Objective.constrained else list(t.pareto)
+    return list(cfg.tuner.goal.metrics)
+
+
+def measured(cfg: TuneConfig) -> dict[str, Any]:
+    """What a trial measures, as its sizes: the workload, or bench=slo's prompt."""
+    if cfg.tuner.goal.measure == "workload":
+        w = cfg.workload
+        return {"workload": {k: getattr(w, k) for k in ("name", "prompt_tokens", "output_tokens", "ttft_limit_s",
+                                                         "tpot_limit_s", "requests", "concurrency", "rate", "seed")}}
+    b = cfg.bench
+    return {"bench": {"name": b.name, "prompt_tokens": b.prompt_tokens, "new_tokens": b.new_tokens, "batch": b.batch}}
 
 
 def version(space: dict, cfg: TuneConfig) -> str:
-    """A hash of what makes trials comparable: the space, the objective and the bench's sizes. Optuna refuses a
-    categorical whose choices changed within a study, and mixing measurements of different benches is wrong: a
-    new version is a new study."""
-    b = cfg.bench
-    what = {"space": space, "objective": objective_spec(cfg),
-            "bench": {"name": b.name, "prompt_tokens": b.prompt_tokens, "new_tokens": b.new_tokens,
-                      "batch": b.batch}}
+    """A hash of what makes trials comparable: the space, the objective, what a trial measures and how the cutoff
+    is set. Optuna refuses a categorical whose choices changed within a study, and mixing measurements of different
+    loads is wrong: a new version is a new study."""
+    what = {"space": space, "objective": objective_spec(cfg), **measured(cfg), "cutoff": cfg.tuner.cutoff.value}
     return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
 def study_name(cfg: TuneConfig, space: dict) -> str:
     if cfg.tuner.study_name:
         return cfg.tuner.study_name
-    return f"{cfg.hw.name}-{cfg.model.name}-{cfg.tuner.objective.value}-v{version(space, cfg)}"
+    grid = "-grid" if cfg.tuner.sampler.value == "grid" else ""
+    return f"{cfg.hw.name}-{cfg.model.name}-{cfg.tuner.objective.value}{grid}-v{version(space, cfg)}"
+
+
+def grid(space: dict) -> dict[str, list]:
+    """Every value of each knob: a categorical's choices, an int range by its step (1), a float range by its step."""
+    out = {}
+    for name, spec in space.items():
+        if spec["type"] == "categorical":
+            out[name] = list(spec["choices"])
+        else:
+            step = spec.get("step") or 1
+            n = int(round((spec["high"] - spec["low"]) / step))
+            out[name] = [spec["low"] + i * step for i in range(n + 1)]
+    return out
 
 
 def suggest(trial, space: dict) -> dict[str, Any]:
@@ -130,3 +176,8 @@ def as_override_value(value: Any) -> str:
         return value if value.replace("_", "").isalnum() else json.dumps(value)
     return str(value)
 
+
+
+def flat_measured(cfg: TuneConfig) -> dict[str, Any]:
+    """`measured` flattened: {"workload.requests": 32, ...}."""
+    return {f"{group}.{k}": v for group, sizes in measured(cfg).items() for k, v in sizes.items()}

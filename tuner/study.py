@@ -1,6 +1,11 @@
-"""The tuning loop: an Optuna study in an RDB storage (sqlite under runs/ by default; several workers share one through
-any RDB URL), TPE warm-started with the current policy, one subprocess per trial with a deadline, constraints through
+"""The tuning loop: an Optuna study in an RDB storage (sqlite under runs/ by default; several tuners share one through
+any RDB URL), TPE warm-started with the current policy (or a grid), trials measured by one long-lived trial worker
+that keeps the model loaded (tuner/trial.py, tuner/worker.py) with a deadline per trial, constraints through
 `Trial.set_constraint`, an MLflow child run per trial, and at the end the best policy written as config.
+
+On a GPU profile with a workload objective, policy.prefill.slp_cutoff_tokens is measured before the first trial
+(`tuner.cutoff=measure`): the crossover of the two prefill paths' TTFT on the workload's prompt lengths, kept in
+the study's user attributes and used by every trial.
 
 Trials that count toward `tuner.n_trials`: complete ones (feasible or not) and those that failed on their own
 (crash, deadline). A trial whose worker died (killed tuner, lost machine) stops sending heartbeats; after
@@ -9,6 +14,7 @@ and does not count. A trial interrupted by Ctrl-C / SIGTERM is re-queued by the 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -28,14 +34,18 @@ from hybrid import tracking
 from hybrid.config.compose import CONF_DIR, RUNS_DIR, settings_of
 from hybrid.errors import ConfigError
 from tuner import plots, policy as policy_file, space as sp, trial as trial_run
-from tuner.config import TuneConfig, flat_params
-from tuner.select import knee
-from tuner.track import StudyTracker
-from tuner.trial import TRIAL_ENV
+from tuner.config import Cutoff, Sampler, TuneConfig, flat_params
+from tuner.track import StudyTracker, fresh_user_attrs
 
 COUNTED_FAILURES = ("crash", "deadline")
-# Overrides the tuner sets itself for every trial (the user's own are dropped from what trials get).
+# Overrides the tuner sets itself for the trial worker (the user's own are dropped from what it gets).
 OWN_KEYS = ("mode", "bench", "output")
+WORKER_OWN = ["mode=bench", "bench=slo", "tracking.enabled=false"]
+CUTOFF = "prefill.slp_cutoff_tokens"
+# The figures of a trial shown on its progress line, and the TTFT / TPOT pair its Pareto plot draws, by what it
+# measures
+SHOWN = ("goodput_req_s", "ttft_p90_s", "tpot_p90_s", "ttft_s", "tpot_s", "decode_tok_s", "errors")
+PAIRS = {"workload": ("ttft_p90_s", "tpot_p90_s"), "slo": ("ttft_s", "tpot_s")}
 
 
 class TrialFailed(Exception):
@@ -58,8 +68,8 @@ def redact(url: str) -> str:
 
 
 def trial_overrides(task_overrides: list[str], space: dict) -> list[str]:
-    """The command line's overrides that every trial gets: all but tuner.*, the keys the tuner sets itself, and the
-    knobs it samples (`policy.<knob path>`)."""
+    """The command line's overrides that the trial worker gets: all but tuner.*, the keys the tuner sets itself, and
+    the knobs it samples (`policy.<knob path>`)."""
     out = []
     for o in task_overrides:
         key = o.split("=", 1)[0].lstrip("+~")
@@ -89,22 +99,33 @@ class Tuner:
         if cfg.hw.name == "auto":
             raise ConfigError("the tuner tunes the policy of a hardware profile: give +hw=NAME (conf/hw/), the "
                               "profile of this machine, e.g. +hw=cpu_only")
+        from hybrid.engine.build import REBUILDABLE
         from hybrid.hw.check import resolve
         from hybrid.hw.detect import detect
         from hybrid.kernels.dispatch import available
 
         self.machine = detect()
-        resolve(cfg.hw, cfg.policy, self.machine)  # stops here when this machine is not the profile's
-        if not t.space:
-            raise ConfigError("tuner.space is empty: nothing to tune")
-        self.space = sp.resolve(cfg, self.machine.physical_cores, available())
+        hw, _ = resolve(cfg.hw, cfg.policy, self.machine)  # stops here when this machine is not the profile's
+        self.gpu = bool(hw.gpus)  # which space: the profile's kind (as adapted to this machine)
+        full = sp.resolve(cfg, self.gpu, self.machine.physical_cores, available())
+        self.reload = sp.reload_knobs(cfg, self.gpu, REBUILDABLE)
+        self.measure_cutoff = (self.gpu and t.cutoff == Cutoff.measure and t.goal.measure == "workload"
+                               and CUTOFF in full)
+        self.space = {k: v for k, v in full.items() if not (self.measure_cutoff and k == CUTOFF)}
+        if not self.space:
+            raise ConfigError(f"tuner.spaces.{'gpu' if self.gpu else 'cpu_only'} is empty: nothing to tune")
+        self.fixed: dict[str, Any] = {}  # knob -> value of every trial (the measured cutoff)
+        self.crossover: Optional[dict] = None
         self.name = sp.study_name(cfg, self.space)
         self.url = storage_url(cfg)
-        self.overrides = trial_overrides(task_overrides, self.space)
+        self.overrides = trial_overrides(task_overrides, full)
         self.metrics = sp.objective_metrics(cfg)
         self.directions = sp.directions(cfg)
-        self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self.limits = sp.limits(cfg)
+        self.tuner_id = f"{socket.gethostname()}:{os.getpid()}"
         self.log_dir = RUNS_DIR / "tuner" / self.name
+        env = {k: v for k, v in os.environ.items() if k != tracking.RUN_ID_ENV}
+        self.worker = trial_run.Worker(t.trial_module, [*self.overrides, *WORKER_OWN], env, self.log_dir)
         self.tracker = StudyTracker(cfg.tracking, tracking.experiment_name(cfg.tracking, cfg.model.name),
                                     cfg.tracking.enabled)
         self._pending: dict[int, tuple] = {}
@@ -135,7 +156,10 @@ class Tuner:
             storage = RDBStorage(self.url, engine_kwargs=engine_kwargs, heartbeat_interval=t.heartbeat_s,
                                  grace_period=t.grace_s,
                                  heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(t.max_retry))
-        sampler = optuna.samplers.TPESampler(n_startup_trials=t.startup_trials, seed=t.seed)
+        if t.sampler == Sampler.grid:
+            sampler = optuna.samplers.GridSampler(sp.grid(self.space), seed=t.seed)
+        else:
+            sampler = optuna.samplers.TPESampler(n_startup_trials=t.startup_trials, seed=t.seed)
         study = optuna.create_study(study_name=self.name, storage=storage, sampler=sampler,
                                     directions=self.directions, load_if_exists=True)
         if study.directions != [optuna.study.StudyDirection[d.upper()] for d in self.directions]:
@@ -150,6 +174,8 @@ class Tuner:
             warnings.simplefilter("ignore")
             optuna.storages.fail_stale_trials(study)  # a killed worker's trial: failed, re-queued
         self._requeue_interrupted(study)
+        if t.sampler == Sampler.grid:  # every point once: nothing to enqueue
+            return study
         warm = sp.warm_start(self.cfg, self.space, self.machine.physical_cores)
         if warm:
             study.enqueue_trial(warm, user_attrs={"source": "current policy"}, skip_if_exists=True)
@@ -170,54 +196,56 @@ class Tuner:
                 study.enqueue_trial(t.params, user_attrs={"retry_of": t.number, "source": "interrupted trial"})
 
     # ------------------------------------------------------------------------------------------------ trials
+    def key(self, params: dict[str, Any]) -> tuple[str, ...]:
+        """What the trial worker's model was placed with: the values of the knobs that need a reload."""
+        return tuple(f"{k}={sp.as_override_value(v)}" for k, v in sorted(params.items()) if k in self.reload)
+
     def objective(self, trial):
         t = self.cfg.tuner
         params = sp.suggest(trial, self.space)
         shown = {k: sp.as_override_value(v) for k, v in params.items()}
-        trial.set_user_attr("worker", self.worker)
+        trial.set_user_attr("worker", self.tuner_id)
         for k in ("failure", "detail", "pid"):  # a retried trial carries its predecessor's user attrs
             if k in trial.user_attrs:
                 trial.set_user_attr(k, None)
         run_id = self.tracker.child(trial.number, self.name)
         if run_id:
             trial.set_user_attr("mlflow_run_id", run_id)
-        env = {**os.environ, TRIAL_ENV: str(trial.number)}
-        if run_id:
-            env[tracking.RUN_ID_ENV] = run_id
-        else:
-            env.pop(tracking.RUN_ID_ENV, None)
         log = self.log_dir / f"trial-{trial.number:04d}.log"
-        cmd = trial_run.command(self.overrides, shown, t.trial_module)
         done = counted(trial.study.get_trials(deepcopy=False))
         retry = _retry_of(trial)
         print(f"trial {trial.number} [{done + 1}/{t.n_trials}] "
               + " ".join(f"{k}={v}" for k, v in shown.items())
               + (f" (retry of trial {retry})" if retry is not None else "") + " ...", flush=True)
-        self._pending[trial.number] = (None, shown, run_id, log)
+        self._pending[trial.number] = (None, params, run_id, log)
+        request = {"op": "trial", "trial": trial.number, "policy": {**self.fixed, **params},
+                   "measure": t.goal.measure}
         try:
-            out = trial_run.run(cmd, env, t.trial_timeout_s, log,
-                                on_start=lambda pid: trial.set_user_attr("pid", pid))
+            out = self.worker.run(self.key(params), request, t.trial_timeout_s, log,
+                                  on_start=lambda pid: trial.set_user_attr("pid", pid))
         except BaseException:
             trial.set_user_attr("failure", "interrupted")
             raise
-        self._pending[trial.number] = (out, shown, run_id, log)
+        self._pending[trial.number] = (out, params, run_id, log)
         trial.set_user_attr("outcome", out.status)
         trial.set_user_attr("seconds", round(out.seconds, 3))
         trial.set_user_attr("metrics", out.metrics)
         trial.set_user_attr("log", str(log))
+        trial.set_user_attr("model", "loaded" if out.started else "reused")
+        trial.set_user_attr("worker_builds", out.builds)
         if out.status == "ok":
-            missing = [m for m in [*self.metrics, *t.limits] if m not in out.metrics]
+            missing = [m for m in [*self.metrics, *self.limits] if m not in out.metrics]
             if missing:
                 trial.set_user_attr("failure", "crash")
-                trial.set_user_attr("detail", f"the bench reported no {', '.join(missing)}")
-                raise TrialFailed(f"no {', '.join(missing)} in the bench's records")
-            for k, limit in t.limits.items():
+                trial.set_user_attr("detail", f"the trial reported no {', '.join(missing)}")
+                raise TrialFailed(f"no {', '.join(missing)} in the trial's figures")
+            for k, limit in self.limits.items():
                 trial.set_constraint(k, out.metrics[k] - limit)
             trial.set_constraint("oom", -1.0)
             values = [out.metrics[m] for m in self.metrics]
             return values[0] if len(values) == 1 else values
         if out.status == "oom":  # infeasible: TPE learns to avoid the region
-            for k in t.limits:
+            for k in self.limits:
                 trial.set_constraint(k, 0.0)
             trial.set_constraint("oom", 1.0)
             trial.set_user_attr("detail", out.detail[-2000:])
@@ -228,32 +256,58 @@ class Tuner:
         raise TrialFailed(f"{out.status}: {trial_run.reason(out.detail)}")
 
     def after_trial(self, study, ft) -> None:
-        """Progress on screen and in MLflow; stop once the study (all workers together) has n_trials."""
-        out, shown, run_id, log = self._pending.pop(ft.number, (None, {}, None, None))
+        """Progress on screen and in MLflow; stop once the study (all tuners together) has n_trials."""
+        out, params, run_id, log = self._pending.pop(ft.number, (None, {}, None, None))
         state = ft.state.name
         ok = ft.state.name == "COMPLETE"
         feas = ok and feasible(ft) and ft.user_attrs.get("outcome") == "ok"
         m = ft.user_attrs.get("metrics", {})
         if ok:
-            figures = ", ".join(f"{k} {_fmt(m[k])}" for k in ("ttft_s", "tpot_s", "decode_tok_s") if k in m)
+            figures = ", ".join(f"{k} {_fmt(m[k])}" for k in SHOWN if k in m)
             what = f"{'feasible' if feas else 'INFEASIBLE (' + ft.user_attrs.get('outcome', '') + ')'}: {figures}"
         else:
             what = f"{ft.user_attrs.get('failure') or 'failed'}: {trial_run.reason(ft.user_attrs.get('detail') or '')}"
         best = self.best(study)
         best_text = ""
         if best is not None:
-            label = "best" if len(self.metrics) == 1 else f"Pareto front of {len(study.best_trials)}, knee"
+            label = "best" if len(self.metrics) == 1 else f"Pareto front of {len(study.best_trials)}, best goodput"
             best_text = f" | {label}: trial {best.number} " + ", ".join(
                 f"{k} {_fmt(v)}" for k, v in zip(self.metrics, best.values))
-        secs = ft.user_attrs.get("seconds")
-        print(f"trial {ft.number} {state} ({secs if secs is not None else '?'} s) {what}{best_text}", flush=True)
+        timing = "?"
+        if out is not None:
+            timing = (f"{out.seconds:.1f} s: model {'loaded' if out.started else 'reused'}"
+                      + (f", engine {out.build_s:.2f} s, measured {out.measure_s:.1f} s" if out.status == "ok" else ""))
+        print(f"trial {ft.number} {state} ({timing}) {what}{best_text}", flush=True)
         if out is not None:
             objective = {k: v for k, v in zip(self.metrics, ft.values)} if ok and ft.values else {}
             best_value = best.values[0] if best is not None and len(self.metrics) == 1 else None
-            self.tracker.finish_child(run_id, {"number": ft.number, "state": state, "feasible": feas}, out, shown,
-                                      objective, best_value, log)
+            self.tracker.finish_child(run_id, {"number": ft.number, "state": state, "feasible": feas}, out,
+                                      self.trial_params(params, out), objective, best_value, log,
+                                      self.trial_config(params), f"trial {ft.number}: {self.cfg.model.name} on "
+                                      f"{self.cfg.hw.name}")
         if counted(study.get_trials(deepcopy=False)) >= self.cfg.tuner.n_trials:
             study.stop()
+
+    def trial_settings(self, params: dict[str, Any]):
+        return dataclasses.replace(self.cfg, policy=policy_file.checked(self.cfg.policy, {**self.fixed, **params}))
+
+    def trial_params(self, params: dict[str, Any], out) -> dict[str, str]:
+        """A trial's MLflow params: its whole policy, the hw profile, the model, what it measured, threads and kernel
+        it ran with."""
+        s = self.trial_settings(params)
+        report = out.report
+        flat = {**tracking.flatten(s.hw, "hw."), **tracking.flatten(s.model, "model."),
+                **tracking.flatten(s.policy, "policy."), **{k: str(v) for k, v in sp.flat_measured(self.cfg).items()}}
+        flat.update({"run.threads": str(report.get("threads", "")), "run.kernel": str(report.get("kernel", ""))})
+        return flat
+
+    def trial_config(self, params: dict[str, Any]) -> str:
+        from omegaconf import OmegaConf
+
+        s = self.trial_settings(params)
+        node = {"hw": asdict(s.hw), "model": asdict(s.model), "policy": asdict(s.policy),
+                **sp.measured(self.cfg)}
+        return OmegaConf.to_yaml(OmegaConf.create(json.loads(json.dumps(node, default=str))))
 
     # --------------------------------------------------------------------------------------------- the best
     def candidates(self, study) -> list:
@@ -270,8 +324,43 @@ class Tuner:
             key = (lambda t: t.values[0]) if self.directions[0] == "minimize" else (lambda t: -t.values[0])
             return min(cands, key=lambda t: (key(t), t.number))
         front = {t.number for t in study.best_trials}
-        pick = knee([(t.number, t.values) for t in cands if t.number in front], self.directions)
-        return next((t for t in cands if t.number == pick), None)
+        on_front = [t for t in cands if t.number in front] or cands
+        return max(on_front, key=lambda t: (t.user_attrs["metrics"].get("goodput_req_s", 0.0), -t.number))
+
+    # ------------------------------------------------------------------------------------------------- cutoff
+    def set_cutoff(self, study) -> None:
+        """tuner.cutoff=measure on a GPU profile: the crossover of the two prefill paths on the workload's prompt
+        lengths (measured once per study, by the first tuner to get there) becomes every trial's cutoff."""
+        t = self.cfg.tuner
+        if not self.gpu:
+            if t.goal.measure == "workload":
+                print("cutoff: no GPU in this profile: every prompt takes the CPU path, so "
+                      f"policy.{CUTOFF} is moot (not measured)", flush=True)
+            return
+        if not self.measure_cutoff:
+            return
+        cross = study.user_attrs.get("crossover")
+        if cross is None:
+            w = self.cfg.workload
+            lengths = spread(w.prompt_tokens[0], w.prompt_tokens[1], t.crossover_lengths)
+            warm = {**sp.warm_start(self.cfg, self.space, self.machine.physical_cores)}
+            print(f"cutoff: timing the first token on both prefill paths at {lengths} tokens ...", flush=True)
+            t0 = time.monotonic()
+            try:
+                cross = self.worker.call(self.key(warm), {"op": "crossover", "policy": warm, "lengths": lengths},
+                                         t.trial_timeout_s, self.log_dir / "crossover.log")
+            except RuntimeError as e:
+                print(f"warning: cutoff not measured ({e}): policy.{CUTOFF} stays "
+                      f"{self.cfg.policy.prefill.slp_cutoff_tokens}", file=sys.stderr, flush=True)
+                return
+            cross = {**cross, "lengths": lengths, "policy": warm, "seconds": round(time.monotonic() - t0, 2)}
+            if "crossover" not in fresh_user_attrs(study):
+                study.set_user_attr("crossover", cross)
+            cross = fresh_user_attrs(study)["crossover"]
+        self.crossover = cross
+        self.fixed[CUTOFF] = cross["cutoff"]
+        shown = ", ".join(f"{n}: CPU {c:.3f} s / SLP {g:.3f} s" for (n, c), (_, g) in zip(cross["cpu"], cross["slp"]))
+        print(f"cutoff: policy.{CUTOFF}={cross['cutoff']} for every trial (TTFT {shown})", flush=True)
 
     # ---------------------------------------------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
@@ -284,18 +373,23 @@ class Tuner:
         print(f"study {self.name} ({redact(self.url)}): {done}/{t.n_trials} trials done; "
               f"objective {sp.objective_spec(self.cfg)}", flush=True)
         print("space: " + json.dumps(self.space), flush=True)
+        print("reload (trial worker restarts): " + (", ".join(sorted(self.reload & set(self.space))) or "none"),
+              flush=True)
         if self.overrides:
-            print("trials get: " + " ".join(self.overrides), flush=True)
+            print("trial worker gets: " + " ".join(self.overrides), flush=True)
         self.tracker.start(study, self._parent_params())
         status = "FINISHED"
         try:
             if done < t.n_trials:
+                self.set_cutoff(study)
                 study.optimize(self.objective, n_trials=t.n_trials - done, catch=(TrialFailed,),
                                callbacks=[self.after_trial])
         except KeyboardInterrupt:
             status = "KILLED"
             print(f"interrupted: {counted(study.get_trials(deepcopy=False))}/{t.n_trials} trials done; run the same "
                   "command again to resume", flush=True)
+        finally:
+            self.worker.stop()
         return self.finish(study, status)
 
     def finish(self, study, status: str) -> dict[str, Any]:
@@ -304,23 +398,31 @@ class Tuner:
         t = self.cfg.tuner
         trials = study.get_trials(deepcopy=False)
         best = self.best(study)
-        measured = [(x.number, x.user_attrs["metrics"]["ttft_s"], x.user_attrs["metrics"]["tpot_s"],
+        pair = PAIRS[t.goal.measure]
+        measured = [(x.number, x.user_attrs["metrics"][pair[0]], x.user_attrs["metrics"][pair[1]],
                      feasible(x) and x.user_attrs.get("outcome") == "ok")
                     for x in trials if x.state == TrialState.COMPLETE
-                    and {"ttft_s", "tpot_s"} <= set(x.user_attrs.get("metrics", {}))]
+                    and set(pair) <= set(x.user_attrs.get("metrics", {}))]
+        mine = [x for x in trials if x.user_attrs.get("worker") == self.tuner_id and "seconds" in x.user_attrs]
         summary = {"trials.complete": sum(x.state == TrialState.COMPLETE for x in trials),
                    "trials.failed": sum(x.state == TrialState.FAIL for x in trials),
                    "trials.feasible": len(self.candidates(study)),
-                   "tuner.seconds": time.monotonic() - self.started}
+                   "tuner.seconds": time.monotonic() - self.started,
+                   "worker.starts": self.worker.starts}
+        if mine:
+            summary["trial.seconds.mean"] = sum(x.user_attrs["seconds"] for x in mine) / len(mine)
+            print(f"time per trial: {summary['trial.seconds.mean']:.1f} s on average over {len(mine)} trials here; "
+                  f"the model was loaded {sum(x.user_attrs.get('model') == 'loaded' for x in mine)} times "
+                  f"({self.worker.starts} worker starts)", flush=True)
         result: dict[str, Any] = {"study": self.name, "storage": redact(self.url), "best_trial": None,
                                   "policy_path": None, **summary}
         texts: dict[str, str] = {}
         if best is not None:
             for k, v in zip(self.metrics, best.values):
                 summary[f"best.{k}"] = v
-            result.update(best_trial=best.number, best_params=dict(best.params),
+            result.update(best_trial=best.number, best_params={**self.fixed, **best.params},
                           best_metrics=best.user_attrs.get("metrics", {}))
-            print(f"best: trial {best.number} {best.params} -> " + ", ".join(
+            print(f"best: trial {best.number} {result['best_params']} -> " + ", ".join(
                 f"{k} {_fmt(v)}" for k, v in best.user_attrs.get("metrics", {}).items()), flush=True)
             if t.write_policy and status == "FINISHED":
                 path = self.write_policy(best)
@@ -329,12 +431,20 @@ class Tuner:
         else:
             print("no feasible trial: no policy written", flush=True)
         if self.tracker.parent:
-            figs = plots.figures(study, measured, best.number if best else None, dict(t.limits), self.metrics)
+            chosen = best.number if best else None
+            figs = plots.figures(study, measured, chosen, self.limits, self.metrics, pair)
+            if self.crossover is not None:
+                from hybrid.bench.prefill import crossover_figure
+
+                figs["crossover"] = crossover_figure(self.crossover["slp"], self.crossover["cpu"],
+                                                     self.crossover["cutoff"], f"prefill TTFT, workload "
+                                                     f"{self.cfg.workload.name}: cutoff {self.crossover['cutoff']}")
+                texts["crossover.json"] = json.dumps(self.crossover, indent=1, default=str)
             try:
                 texts["trials.csv"] = study.trials_dataframe().to_csv(index=False)
             except Exception:  # noqa: BLE001 - pandas missing or an odd attribute
                 pass
-            texts["study.json"] = json.dumps({**result, "space": self.space,
+            texts["study.json"] = json.dumps({**result, "space": self.space, "fixed": self.fixed,
                                               "objective": sp.objective_spec(self.cfg)}, indent=1, default=str)
             self.tracker.finish(study, summary, figs, texts, status)
             result["mlflow_run_id"] = self.tracker.parent
@@ -347,12 +457,16 @@ class Tuner:
 
     def write_policy(self, best) -> Path:
         hw = self.cfg.hw.name
-        tuned = policy_file.checked(self.cfg.policy, dict(best.params))
+        tuned = policy_file.checked(self.cfg.policy, {**self.fixed, **best.params})
         m = best.user_attrs.get("metrics", {})
-        metric = ", ".join(f"{k} = {_fmt(m[k])}" for k in ("ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s")
-                           if k in m)
-        path = policy_file.write(CONF_DIR, hw, tuned, policy_file.header(self.name, best.number, metric,
-                                                                         redact(self.url)))
+        metric = ", ".join(f"{k} = {_fmt(m[k])}" for k in dict.fromkeys([*self.metrics, *SHOWN]) if k in m)
+        if len(self.metrics) > 1:
+            metric += " (the feasible Pareto front's best goodput)"
+        header = policy_file.header(self.name, best.number, metric, redact(self.url))
+        if self.crossover is not None:
+            header.insert(4, f"cutoff: the measured crossover of the two prefill paths at "
+                             f"{self.crossover['lengths']} tokens")
+        path = policy_file.write(CONF_DIR, hw, tuned, header)
         hw_path, changed = policy_file.select_in_hw_profile(CONF_DIR, hw)
         print(f"policy written: {path}" + (f"; {hw_path} now selects it" if changed else ""), flush=True)
         self.verify(hw, tuned)
@@ -371,12 +485,19 @@ class Tuner:
     def _parent_params(self) -> dict[str, str]:
         c = self.cfg
         params = {"study": self.name, "storage": redact(self.url), "hw": c.hw.name, "model": c.model.name,
-                  "space": json.dumps(self.space), "trial_overrides": " ".join(self.overrides) or "-"}
+                  "space": json.dumps(self.space), "reload": ",".join(sorted(self.reload)) or "-",
+                  "trial_overrides": " ".join(self.overrides) or "-"}
         params.update({f"tuner.{k}": str(v) for k, v in tracking.flatten(c.tuner).items()
-                       if not k.startswith(("space", "storage", "enqueue"))})
-        params.update({f"bench.{k}": str(getattr(c.bench, k)) for k in ("prompt_tokens", "new_tokens", "batch",
-                                                                          "repeats")})
+                       if not k.startswith(("spaces", "storage", "enqueue"))})
+        params.update({k: str(v) for k, v in sp.flat_measured(c).items()})
         return params
+
+
+def spread(lo: int, hi: int, n: int) -> list[int]:
+    """n prompt lengths from lo to hi, evenly on a log scale (fewer where they round to the same)."""
+    if lo == hi:
+        return [lo]
+    return sorted({round(lo * (hi / lo) ** (i / (n - 1))) for i in range(n)})
 
 
 def _retry_of(trial) -> Optional[int]:

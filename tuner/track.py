@@ -1,7 +1,8 @@
-"""The study in MLflow: one parent run per study (resumed by every worker and every restart, its id kept in the
-study's user attributes), one child run per trial (the trial's subprocess logs params, metrics, the resolved config
-and plots into it; the tuner adds the trial's state and objective), and at the end the study's plots: optimisation
-history, parameter importances, the Pareto front (TTFT against TPOT)."""
+"""The study in MLflow: one parent run per study (resumed by every tuner and every restart, its id kept in the
+study's user attributes), one child run per trial (params, metrics, the resolved config, the report, plots and the
+trial's log, as the trial worker measured them; the trial's state and objective), and at the end the study's plots
+on the parent run: optimisation history, parameter importances, the objective against each knob, the Pareto front
+(TTFT against TPOT), the crossover of the two prefill paths."""
 from __future__ import annotations
 
 import sys
@@ -44,9 +45,9 @@ class StudyTracker:
             mine = self.client.create_run(self.exp_id, run_name=study.study_name, tags={
                 "optuna.study": study.study_name, "kind": "study"}).info.run_id
             # Several workers may start together: the first id stored wins, the others drop theirs.
-            if PARENT_ATTR not in _fresh_user_attrs(study):
+            if PARENT_ATTR not in fresh_user_attrs(study):
                 study.set_user_attr(PARENT_ATTR, mine)
-            run_id = _fresh_user_attrs(study)[PARENT_ATTR]
+            run_id = fresh_user_attrs(study)[PARENT_ATTR]
             if run_id != mine:
                 self.client.delete_run(mine)
             else:
@@ -64,26 +65,42 @@ class StudyTracker:
             tags={"mlflow.parentRunId": self.parent, "optuna.study": study_name,
                   "optuna.trial": str(trial_number), "kind": "trial"}).info.run_id)
 
-    def finish_child(self, run_id: Optional[str], trial, outcome, params: dict[str, str],
-                     objective: dict[str, float], best: Optional[float], log_path) -> None:
+    def finish_child(self, run_id: Optional[str], trial: dict, outcome, params: dict[str, str],
+                     objective: dict[str, float], best: Optional[float], log_path, config_yaml: str,
+                     title: str) -> None:
+        """The trial's run, as the worker measured it: params (the trial's policy, hw, model, what it measured, the
+        plan), metrics, the trial's state and objective, the resolved config, the report, plots and the log."""
         if run_id:
             self._guard("child run", self._finish_child, run_id, trial, outcome, params, objective, best,
-                        log_path)
+                        log_path, config_yaml, title)
 
-    def _finish_child(self, run_id, trial, outcome, params, objective, best, log_path) -> None:
+    def _finish_child(self, run_id, trial, outcome, params, objective, best, log_path, config_yaml, title) -> None:
+        import json
+
+        import matplotlib.pyplot as plt
         from mlflow.entities import Metric, Param, RunTag
 
         now = int(time.time() * 1000)
         c = self.client
-        logged = c.get_run(run_id).data.params
-        missing = [Param(f"policy.{k}", v) for k, v in params.items() if f"policy.{k}" not in logged]
+        plan = {f"plan.{k}": str(v)[:6000] for k, v in outcome.report.get("plan", {}).items()}
+        run_params = [Param(tracking._safe_key(k), v) for k, v in {**params, **plan}.items()]
         tags = [RunTag("optuna.state", trial["state"]), RunTag("outcome", outcome.status),
                 RunTag("feasible", str(trial["feasible"]).lower())]
-        metrics = [Metric(f"objective.{k}", v, now, 0) for k, v in objective.items()]
-        metrics.append(Metric("trial.seconds", outcome.seconds, now, 0))
-        if outcome.status != "ok":  # the subprocess logged nothing: its metrics, as far as they got
-            metrics += [Metric(k, v, now, 0) for k, v in outcome.metrics.items()]
-        c.log_batch(run_id, metrics=metrics, params=missing, tags=tags)
+        figures = {**tracking.metrics_of(outcome.report), **outcome.metrics} if outcome.records else outcome.metrics
+        metrics = [Metric(tracking._safe_key(k), v, now, 0) for k, v in figures.items()]
+        metrics += [Metric(f"objective.{k}", v, now, 0) for k, v in objective.items()]
+        metrics += [Metric(f"trial.{k}", v, now, 0) for k, v in (
+            ("seconds", outcome.seconds), ("build_s", outcome.build_s), ("measure_s", outcome.measure_s),
+            ("worker_builds", float(outcome.builds)), ("worker_started", float(outcome.started)))]
+        for i in range(0, max(len(run_params), len(metrics)), 100):
+            c.log_batch(run_id, metrics=metrics[i:i + 100], params=run_params[i:i + 100],
+                        tags=tags if i == 0 else [])
+        c.log_text(run_id, config_yaml, "config.yaml")
+        if outcome.report:
+            c.log_text(run_id, json.dumps(outcome.report, indent=1, default=str), "report.json")
+            for name, fig in tracking.plots(outcome.report, title).items():
+                c.log_figure(run_id, fig, f"plots/{name}.png")
+                plt.close(fig)
         if log_path is not None and log_path.exists():
             c.log_artifact(run_id, str(log_path))
         c.set_terminated(run_id, "FINISHED" if outcome.status == "ok" else "FAILED")
@@ -92,6 +109,7 @@ class StudyTracker:
         if best is not None:
             parent_metrics.append(Metric("best", best, now, trial["number"]))
         parent_metrics.append(Metric("trial.ok", 1.0 if outcome.status == "ok" else 0.0, now, trial["number"]))
+        parent_metrics.append(Metric("trial.seconds", outcome.seconds, now, trial["number"]))
         c.log_batch(self.parent, metrics=parent_metrics)
 
     # ---------------------------------------------------------------------------------------------- the end
@@ -116,5 +134,5 @@ class StudyTracker:
         c.set_terminated(self.parent, status)
 
 
-def _fresh_user_attrs(study) -> dict:
+def fresh_user_attrs(study) -> dict:
     return study._storage.get_study_user_attrs(study._study_id)

@@ -178,3 +178,27 @@ def prefill_bound_seconds(transfer_s: float, flops: float, matmul_tflops: float,
     else:
         compute = (flops - attention) / (matmul_tflops * 1e12) + attention / (attention_tflops * 1e12)
     return max(transfer_s, compute)
+
+
+# ------------------------------------------------------------------------------------------ prefill on two GPUs
+
+def parallel_prefill_bound_seconds(routed: float, flops: float, h2d_gbs: float, matmul_tflops: float,
+                                   gpus: int = 2) -> float:
+    """Stream-loading prefill over `gpus` GPUs, each moving its share of the routed experts (`routed` bytes in all)
+    and computing its share of the FLOPs: max(routed ÷ (gpus × H2D rate), flops ÷ (gpus × matmul rate)); the
+    exchanges between the GPUs are left out."""
+    if gpus < 1:
+        raise ValueError(f"a prefill over {gpus} GPUs bounds nothing: it needs at least one")
+    return prefill_bound_seconds(read_seconds(routed, gpus * h2d_gbs), flops, gpus * matmul_tflops)
+
+
+def smallep_link_bytes(n: int, hidden: int, gpus: int = 2, element: int = BF16) -> float:
+    """Bytes each GPU receives per MoE layer under SmallEP (n tokens in all, spread evenly): the other GPUs' tokens
+    (all-gather), then their partial sums of its own tokens (the exchange)."""
+    return 2 * n * hidden * element * (gpus - 1) / gpus
+
+
+def ep_link_bytes(n: int, hidden: int, top_k: int, gpus: int = 2, element: int = BF16) -> float:
+    """Bytes each GPU receives per MoE layer under standard expert parallelism, routing uniform: the (token, pick)
+    rows for its experts from the other GPUs, then its own rows' results back from them."""
+    return 2 * n * top_k * hidden * element * (gpus - 1) / gpus ** 2

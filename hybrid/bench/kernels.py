@@ -3,12 +3,17 @@ CPU paths beside them (the paper's Table 1 on this machine): torch holding the w
 FP32 (its best case: `torch_bf16`, `torch_fp32`), and torch holding the same FP8 weights, dequantised to BF16 on
 every call (`torch_fp8_upcast`).
 
+Each native kernel variant of `bench.cpu_kernels` is timed in turn (by default the configured one, and avx512_bf16
+beside amx: on an AMX CPU, the AMX tiles against the AVX-512 kernel at every token count); the torch paths are
+compared with the first. Every record carries its variant (`kernel`), TFLOP/s and GB/s.
+
 Cold weights: every call reads a different matrix from a pool far larger than the last-level cache, so the
 figures are DRAM figures. Legend: M tokens, N output rows, K input dim (DeepSeek-V3: gate/up 2048x7168, down
 7168x2048; a layer has 256 experts, top-8).
 """
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from typing import Callable
@@ -65,7 +70,7 @@ class Roof:
         return max(self.readings)
 
 
-def _gemv_records(cfg, roof: Roof, kernel: str, pool_gb: float, rng) -> list[Record]:
+def _gemv_records(cfg, roof: Roof, kernels: list[str], pool_gb: float, rng) -> list[Record]:
     out = []
     for label, n, k in (("gate_up", cfg.inter, cfg.hidden), ("down", cfg.hidden, cfg.inter)):
         count = max(4, math.ceil(pool_gb * GB / (n * k)))
@@ -74,14 +79,16 @@ def _gemv_records(cfg, roof: Roof, kernel: str, pool_gb: float, rng) -> list[Rec
         for m in cfg.ms:
             x = torch.randn(m, k).to(torch.bfloat16)
             y = torch.empty(m, n)
-            calls = [lambda w=w, s=s: gemm(x, w, s, y, kernel) for w, s in pool]
-            out.append(roof.bracket(lambda: _timed(f"fp8_gemm.{label}", calls, cfg.repeats, m, n, k, 1, "fp8",
-                                                  {"kernel": kernel})))
+            for kernel in kernels:
+                calls = [lambda w=w, s=s, kernel=kernel: gemm(x, w, s, y, kernel) for w, s in pool]
+                out.append(roof.bracket(lambda: _timed(f"fp8_gemm.{label}", calls, cfg.repeats, m, n, k, 1, "fp8",
+                                                      {"kernel": kernel})))
+        ours = [r for r in out if r.extra.get("kernel") == kernels[0]]
         if cfg.torch_peers:
-            out += _torch_upcast_records(cfg, roof, label, n, k, pool, out)
+            out += _torch_upcast_records(cfg, roof, label, n, k, pool, ours)
         del pool
         if cfg.torch_peers:
-            out += _torch_records(cfg, roof, label, n, k, pool_gb, out)
+            out += _torch_records(cfg, roof, label, n, k, pool_gb, ours)
     return out
 
 
@@ -125,7 +132,7 @@ def _torch_records(cfg, roof: Roof, label: str, n: int, k: int, pool_gb: float, 
     return out
 
 
-def _moe_records(cfg, roof: Roof, kernel: str, rng) -> list[Record]:
+def _moe_records(cfg, roof: Roof, kernels: list[str], rng) -> list[Record]:
     expert_bytes = 3 * cfg.hidden * cfg.inter
     fits = int(0.6 * _memory_gb() * GB / expert_bytes)
     experts = min(cfg.moe_experts or cfg.experts, fits)
@@ -136,7 +143,7 @@ def _moe_records(cfg, roof: Roof, kernel: str, rng) -> list[Record]:
     up = [fp8_codes(rng, (i, d)) for _ in range(experts)]
     down = [fp8_codes(rng, (d, i)) for _ in range(experts)]
     op = CpuMoE(gate, up, down, [_scales(rng, i, d) for _ in gate], [_scales(rng, i, d) for _ in up],
-                [_scales(rng, d, i) for _ in down], kernel=kernel)
+                [_scales(rng, d, i) for _ in down])
     out = []
     for t in cfg.moe_tokens:
         x = torch.randn(t, d).to(torch.bfloat16)
@@ -145,25 +152,38 @@ def _moe_records(cfg, roof: Roof, kernel: str, rng) -> list[Record]:
         res = torch.empty(t, d)
         calls = [lambda ids=ids: op(x, ids, w, res) for ids in routes]
         read = sum(len(ids.unique()) for ids in routes) / len(routes) * expert_bytes
+        flops = 3 * bounds.gemm_flops(t * cfg.top_k, i, d)  # gate, up, down: each [t*top_k, d] x [d, i] or back
 
-        def measure(t=t, calls=calls, read=read) -> Record:
+        def measure(t=t, calls=calls, read=read, flops=flops, kernel="auto") -> Record:
+            op.kernel = kernel
             sec = best_per_call(calls, cfg.repeats)
             return Record("moe_layer", read / sec / GB, "GB/s", None, t, None, None, "fp8",
-                          {"time_ms": sec * 1e3, "experts": experts, "top_k": cfg.top_k,
-                           "expert_mb_read": read / 1e6, "global_syncs": op.global_syncs, "kernel": kernel})
-        out.append(roof.bracket(measure))
+                          {"time_ms": sec * 1e3, "tflops": flops / sec / 1e12, "experts": experts,
+                           "top_k": cfg.top_k, "expert_mb_read": read / 1e6, "global_syncs": op.global_syncs,
+                           "kernel": kernel})
+        for kernel in kernels:
+            out.append(roof.bracket(functools.partial(measure, kernel=kernel)))
     return out
 
 
+def kernels_timed(cpu_kernels: list[str], configured: str) -> list[str]:
+    """bench.cpu_kernels resolved (each must run here), else the configured variant, with avx512_bf16 beside amx."""
+    if cpu_kernels:
+        return [selected(k) for k in cpu_kernels]
+    first = selected(configured)
+    return [first, "avx512_bf16"] if first == "amx" else [first]
+
+
 def run(settings) -> list[Record]:
-    cfg, kernel = settings.bench, selected(settings.policy.cpu.kernel)
+    cfg = settings.bench
+    kernels = kernels_timed(cfg.cpu_kernels, settings.policy.cpu.kernel)
     rng = np.random.default_rng(settings.seed)
     pool_gb = cfg.pool_gb or min(4.0, max(1.0, _memory_gb() / 12))
     roof = Roof(pool_gb)
-    _log(f"kernel {kernel}; measuring the read roof over {pool_gb:.1f} GB ...")
-    records = _gemv_records(cfg, roof, kernel, pool_gb, rng)
+    _log(f"kernels {', '.join(kernels)}; measuring the read roof over {pool_gb:.1f} GB ...")
+    records = _gemv_records(cfg, roof, kernels, pool_gb, rng)
     if cfg.moe_tokens:
-        records += _moe_records(cfg, roof, kernel, rng)
+        records += _moe_records(cfg, roof, kernels, rng)
     roof_rec = Record("read_roof", roof.gbs, "GB/s", extra={
         "min": min(roof.readings), "readings": len(roof.readings), "buffer_gb": pool_gb, "streams": roof.streams,
         "by_streams": {s: round(v, 1) for s, v in roof.calibration.items()}})

@@ -1,4 +1,5 @@
-"""`mode=bench bench=prefill`: stream-loading prefill (SLP) against its bound, the CPU path beside it.
+"""`mode=bench bench=prefill`: stream-loading prefill (SLP) against its bound, the CPU path beside it (on two GPUs,
+policy.prefill.gpus=2: hybrid/bench/prefill_dual.py).
 
 Bound per prompt: max(routed-expert bytes ÷ pinned host-to-device rate, the prefill's matmul FLOPs ÷ GPU BF16 matmul
 rate), both rates measured in this run. SLP moves every expert of every MoE layer once per prompt. Beside it, not
@@ -89,6 +90,10 @@ def attention_rate(a, n: int) -> float:
 
 def run(settings) -> list[Record]:
     s, cfg = settings, settings.bench
+    if s.policy.prefill.gpus == 2:  # one process per GPU: hybrid/bench/prefill_dual.py
+        from hybrid.bench.prefill_dual import run as run_dual
+
+        return run_dual(s)
     for spec in cfg.fp8_tiles:  # before minutes of set-up
         fp8_linear.Tile.parse(spec)
     engine = build(s, s.hw, progress=sys.stderr.isatty())
@@ -192,3 +197,43 @@ def crossover(slp: list[tuple[int, float]], cpu: list[tuple[int, float]]):
             f = d0 / (d0 - d1)
             return math.exp(math.log(n0) + f * (math.log(n1) - math.log(n0)))
     return None
+
+
+def both_paths(engine, lengths: list[int]) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """(length, TTFT) of each prompt length on both prefill paths, stream-loaded and chunked on the CPU: the second
+    of two runs each (the first also pays allocations of a new length)."""
+    slp, cpu = [], []
+    _ttft(engine, min(lengths))  # warm-up
+    for n in lengths:
+        for streamed, out in ((True, slp), (False, cpu)):
+            _ttft(engine, n, streamed=streamed)
+            out.append((n, _ttft(engine, n, streamed=streamed)))
+    return slp, cpu
+
+
+def cutoff_at(slp: list[tuple[int, float]], cpu: list[tuple[int, float]]) -> int:
+    """policy.prefill.slp_cutoff_tokens from the two TTFT curves: the crossover (prompts up to it go on the CPU);
+    where one path wins at every measured length, the longest length (the CPU's) or one below the shortest (SLP's)."""
+    cross = crossover(slp, cpu)
+    if cross is not None:
+        return int(cross)
+    lengths = sorted(dict(cpu))
+    return lengths[-1] if all(dict(cpu)[n] <= dict(slp)[n] for n in lengths) else max(0, lengths[0] - 1)
+
+
+def crossover_figure(slp: list[tuple[int, float]], cpu: list[tuple[int, float]], cutoff: int, title: str):
+    """TTFT of both prefill paths against prompt length, the cutoff marked (a matplotlib figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(*zip(*slp), marker="o", label="stream-loading prefill (GPU)")
+    ax.plot(*zip(*cpu), marker="o", label="CPU path (chunked)")
+    ax.axvline(max(cutoff, 1), linestyle="--", color="grey", label=f"cutoff {cutoff} tokens")
+    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="TTFT (s)", title=title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -16,14 +16,29 @@ from hybrid.config.schema import HybridConfig
 from hybrid.errors import ConfigError
 
 
-def workloads(s: HybridConfig):
-    """The workload at each of bench.concurrency (or as configured), as the load driver takes it."""
+def workload(s: HybridConfig):
+    """The configured workload as the load driver takes it."""
     from hybrid.serve.load import Workload
 
     w = s.workload
-    base = Workload(w.name, tuple(w.prompt_tokens), tuple(w.output_tokens), w.ttft_limit_s, w.tpot_limit_s,
+    return Workload(w.name, tuple(w.prompt_tokens), tuple(w.output_tokens), w.ttft_limit_s, w.tpot_limit_s,
                     w.requests, w.concurrency, w.rate, w.seed)
+
+
+def workloads(s: HybridConfig):
+    """The workload at each of bench.concurrency (or as configured)."""
+    base = workload(s)
     return [replace(base, concurrency=c, rate=None) for c in s.bench.concurrency] or [base]
+
+
+def check_fits(s: HybridConfig) -> None:
+    """The workload's longest prompt and output fit a KV slot."""
+    w = s.workload
+    need = w.prompt_tokens[1] + w.output_tokens[1]
+    if need > s.policy.kv.max_context:
+        raise ConfigError(f"workload {w.name}: prompts up to {w.prompt_tokens[1]} + outputs up to "
+                          f"{w.output_tokens[1]} tokens need policy.kv.max_context >= {need} "
+                          f"(it is {s.policy.kv.max_context})")
 
 
 def run(s: HybridConfig) -> list[Record]:
@@ -32,13 +47,10 @@ def run(s: HybridConfig) -> list[Record]:
     from hybrid.serve.load import run as drive
 
     w = s.workload
-    need = w.prompt_tokens[1] + w.output_tokens[1]
-    if need > s.policy.kv.max_context:
-        raise ConfigError(f"workload {w.name}: prompts up to {w.prompt_tokens[1]} + outputs up to "
-                          f"{w.output_tokens[1]} tokens need policy.kv.max_context >= {need} "
-                          f"(it is {s.policy.kv.max_context})")
+    check_fits(s)
     loads = workloads(s)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    for name in ("httpx", "httpx2"):  # the openai client's HTTP layer (by version): not a line per request
+        logging.getLogger(name).setLevel(logging.WARNING)
     engine = build(s, s.hw, progress=False)
     name = s.server.model_name or s.model.name
     cfg = replace(s.server, max_waiting=max(s.server.max_waiting, w.requests))  # the bench measures, not sheds
@@ -47,14 +59,14 @@ def run(s: HybridConfig) -> list[Record]:
         print(f"bench=serve: {name} on {srv.url}", file=sys.stderr)
         for load in loads:
             rep = drive(load, f"{srv.url}/v1", name, cfg.api_key or "EMPTY", engine.model.args.vocab_size)
-            records += _records(rep, load.concurrency)
+            records += records_of(rep, load.concurrency)
             print(f"  concurrency {load.concurrency or f'rate {load.rate}/s'}: {rep['completed']}/{rep['requests']} "
                   f"done, TTFT p50 {rep['ttft_s']['p50']:.3f} s, TPOT p50 {rep['tpot_s']['p50'] * 1e3:.1f} ms, "
                   f"goodput {rep['goodput_req_s']:.2f} req/s", file=sys.stderr)
     return Records(records, {"plan": engine.plan.params()})
 
 
-def _records(rep: dict, concurrency) -> list[Record]:
+def records_of(rep: dict, concurrency) -> list[Record]:
     m = concurrency
     tails = lambda key: {"p90": rep[key]["p90"], "p99": rep[key]["p99"], "mean": rep[key]["mean"]}  # noqa: E731
     common = {"workload": rep["workload"]["name"], "requests": rep["requests"], "completed": rep["completed"],

@@ -10,8 +10,8 @@ second while the whole batch decodes together: from the last request's first tok
 requests are admitted and prefilled one after another, so they start and stop decoding at different steps).
 decode_tok_s is bounded by the memory read roof measured in the same run (`bench.roof_gb`): the bytes the CPU
 reads per decode step (routed experts the batch activates, on average, plus everything else when the CPU does the
-GPU side's work too) at the roof's GB/s. This is the tuner's objective (`python -m tuner`): it runs
-`python -m hybrid mode=bench bench=slo output=json policy.cpu.threads=...` once per trial.
+GPU side's work too) at the roof's GB/s. The tuner's `decode_tok_s` objective measures this
+(`measure`) on the engine its trial worker keeps.
 """
 from __future__ import annotations
 
@@ -35,7 +35,12 @@ def run(s: HybridConfig) -> list[Record]:
     if b.prompt_tokens + b.new_tokens > p.kv.max_context:
         raise ConfigError(f"bench.prompt_tokens + bench.new_tokens ({b.prompt_tokens + b.new_tokens}) exceeds "
                           f"policy.kv.max_context ({p.kv.max_context})")
-    engine = build(s, s.hw, progress=False)
+    return measure(build(s, s.hw, progress=False), s)
+
+
+def measure(engine, s: HybridConfig) -> Records:
+    """The report card on a built engine (the tuner's trial worker keeps one across trials)."""
+    b = s.bench
     roof = 0.0
     if b.roof_gb > 0:
         from hybrid.kernels.membw import calibrate
@@ -43,7 +48,7 @@ def run(s: HybridConfig) -> list[Record]:
         _, readings = calibrate(b.roof_gb)
         roof = max(readings.values())
     records = []
-    for batch in batches:  # one engine: the batch sizes side by side
+    for batch in list(b.batches) or [b.batch]:  # one engine: the batch sizes side by side
         records += _batch(engine, s, batch, roof, m=batch if b.batches else None)
     if roof:
         records.append(Record("read_roof", roof, "GB/s", extra={"buffer_gb": b.roof_gb}))

@@ -82,7 +82,7 @@ class ModelConfig:
             raise ValueError(f"model '{self.name}': set model.path (a checkpoint directory) or model.synthetic")
 
 
-KERNELS = ("avx512_bf16", "avx2", "generic")  # CPU kernel ISA variants (hybrid/kernels/dispatch.py VARIANTS)
+KERNELS = ("amx", "avx512_bf16", "avx2", "generic")  # CPU kernel ISA variants (hybrid/kernels/dispatch.py VARIANTS)
 
 
 def _at_least(group: object, path: str, low: int, *knobs: str, optional: bool = False) -> None:
@@ -107,16 +107,17 @@ def _one_of(group: object, path: str, knob: str, choices: tuple) -> None:
 class CpuPolicy:
     """The CPU expert kernels (hybrid/kernels/, placement's CpuExperts)."""
     threads: Optional[int] = None  # threads of the kernels; null = the profile's physical cores, else the machine's
-    kernel: Optional[str] = None  # ISA: null (HYBRID_CPU_KERNEL, else the best there) | avx512_bf16 | avx2 | generic
+    kernel: Optional[str] = None  # ISA: null (HYBRID_CPU_KERNEL, else the best) | amx | avx512_bf16 | avx2 | generic
     moe_backend: str = "native"  # routed experts: native (the C++ CPU kernels) | torch (reference path)
     gemm_tile_tokens: int = 64  # tokens per expert from which FP8 tiles are converted once and reused
+    amx_min_tokens: int = 8  # kernel amx: tokens per expert from which AMX tiles run (a first guess, to be measured)
     deferred_experts: int = 0  # experts deferred to overlap the next layer (changes outputs slightly)
 
     def __post_init__(self) -> None:
         _at_least(self, "cpu", 1, "threads", optional=True)
         _one_of(self, "cpu", "kernel", (None, *KERNELS))
         _one_of(self, "cpu", "moe_backend", ("native", "torch"))
-        _at_least(self, "cpu", 1, "gemm_tile_tokens")
+        _at_least(self, "cpu", 1, "gemm_tile_tokens", "amx_min_tokens")
         _at_least(self, "cpu", 0, "deferred_experts")
 
 
@@ -138,11 +139,21 @@ class PrefillPolicy:
     ring_len: Optional[int] = None  # expert slots of the stream-loading ring buffer; null = as memory allows
     slp_chunk_tokens: Optional[int] = None  # stream-loading prefill in chunks of this many tokens; null: as memory fits
     slp_group_experts: Optional[int] = None  # SLP: up to this many experts computed together; null: 16 where it applies
+    gpus: Optional[int] = None  # GPUs a long prompt's prefill may take when nothing decodes: 1 | 2; null: min(2, hw's)
+    ep: str = "smallep"  # experts over two GPUs: smallep (tokens gathered, partial sums exchanged) | ep (picks sent)
+    beside_decode: bool = False  # a stream-loaded prompt runs on a thread of its own while the others keep decoding
+    stream_cap_gbps: Optional[float] = None  # beside decode, while requests decode: the stream's copies at most this
 
     def __post_init__(self) -> None:
         _at_least(self, "prefill", 1, "chunk_tokens")
         _at_least(self, "prefill", 0, "slp_cutoff_tokens")
         _at_least(self, "prefill", 1, "ring_len", "slp_chunk_tokens", "slp_group_experts", optional=True)
+        if self.gpus not in (None, 1, 2):
+            raise ValueError(f"policy.prefill.gpus must be 1, 2 or null, got {self.gpus}")
+        _one_of(self, "prefill", "ep", ("smallep", "ep"))
+        if self.stream_cap_gbps is not None and not self.stream_cap_gbps > 0:
+            raise ValueError(f"policy.prefill.stream_cap_gbps must be > 0 GB/s or null (no cap), "
+                             f"got {self.stream_cap_gbps}")
 
 
 @dataclass
@@ -216,6 +227,8 @@ class BenchConfig:
     top_k: int = 8
     ms: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 32, 128, 512])
     moe_tokens: List[int] = field(default_factory=lambda: [1, 2, 4])
+    cpu_kernels: List[str] = field(default_factory=list)  # variants timed side by side; empty: policy.cpu.kernel's
+    # (and avx512_bf16 beside it when that is amx)
     moe_experts: int = 0  # experts in the benchmarked layer; 0 = `experts` (fewer if memory is short)
     pool_gb: float = 0.0  # cold-weight pool and roof buffer; 0 = auto (1-4 GB by memory)
     repeats: int = 5  # passes; the best counts
@@ -250,6 +263,8 @@ class BenchConfig:
                 raise ValueError(f"bench.{knob} must be >= 1, got {getattr(self, knob)}")
         if self.roof_gb < 0:
             raise ValueError(f"bench.roof_gb must be >= 0, got {self.roof_gb}")
+        if set(self.cpu_kernels) - set(KERNELS):
+            raise ValueError(f"bench.cpu_kernels takes {', '.join(KERNELS)}, got {list(self.cpu_kernels)}")
         if set(self.graph_modes) - {"hostfn", "segments"}:
             raise ValueError(f"bench.graph_modes takes hostfn and/or segments, got {list(self.graph_modes)}")
 

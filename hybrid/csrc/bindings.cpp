@@ -20,6 +20,7 @@ PYBIND11_MODULE(_native, m) {
   py::class_<View>(m, "View").def(py::init<uintptr_t, std::string, std::vector<int64_t>, std::vector<int64_t>>());
   m.def("gemm", &gemm, nogil(), "y = x · wᵀ (FP8 block-scaled or BF16 weights)");
   m.def("set_tile_min_m", &set_tile_min_m, "tokens from which the FP8 GEMM converts each weight tile once");
+  m.def("set_amx_min_m", &set_amx_min_m, "tokens from which variant amx runs an FP8 GEMM on AMX tiles");
   m.def("selected_isa", &selected_isa, "the kernel variant a name resolves to on this CPU");
   m.def("set_num_threads", &set_num_threads, nogil(), "resize the kernel thread pool (0 = all CPUs)");
   m.def("num_threads", &num_threads, "threads in the kernel thread pool");

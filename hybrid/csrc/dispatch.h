@@ -11,8 +11,16 @@ Isa best_isa();
 Isa resolve_isa(const std::string& name);
 const char* isa_name(Isa isa);
 
-// Rows [n0, n1) of one problem on `isa`. xprep: activations prepared for AVX-512 (ignored by the others);
-// tile: the thread's scratch for the AVX-512 prefill path.
+// The activations a problem's kernel reads: p.x as is, prepared by prepare_x_avx512, or by prepare_x_amx.
+enum class XLayout { plain, avx512, amx };
+XLayout x_layout(Isa isa, const GemmProblem& p);
+// Rows of prepared activations a problem of M tokens needs (the AMX layout pads M to 16).
+int64_t x_rows(XLayout layout, int64_t M);
+// Per-thread scratch a variant's kernels need for a reduction length K, in uint16 elements (0: none).
+int64_t scratch_elems(Isa isa, int64_t K);
+
+// Rows [n0, n1) of one problem on `isa`. xprep: activations in x_layout(isa, p) (ignored when plain);
+// tile: the thread's scratch_elems(isa, K).
 void gemm_rows(Isa isa, const GemmProblem& p, const uint16_t* xprep, int64_t n0, int64_t n1, uint16_t* tile);
 
 }  // namespace hybrid

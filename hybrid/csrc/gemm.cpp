@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "dispatch.h"
+#include "gemm_amx.h"
 #include "scratch.h"
 #include "thread_pool.h"
 
@@ -79,11 +80,18 @@ uint16_t* thread_tile(int64_t elems) {
   return buf.get(elems);
 }
 
+void set_amx_min_m(int64_t m) {
+  if (m < 1) fail("amx_min_tokens must be >= 1");
+  tunables().amx_min_m = m;
+}
+
 void prepare_x(Isa isa, const GemmProblem& p, Scratch<uint16_t>& buf, const uint16_t** xprep) {
   *xprep = nullptr;
-  if (isa != Isa::avx512_bf16) return;
-  uint16_t* out = buf.get(p.M * padded_k(p.K));
-  prepare_x_avx512(p, out);
+  const XLayout layout = x_layout(isa, p);
+  if (layout == XLayout::plain) return;
+  uint16_t* out = buf.get(x_rows(layout, p.M) * padded_k(p.K));
+  if (layout == XLayout::amx) prepare_x_amx(p, out);
+  else prepare_x_avx512(p, out);
   *xprep = out;
 }
 
@@ -102,7 +110,8 @@ void gemm(const View& x, const View& w, std::optional<View> scale, const View& y
   const int64_t chunk = row_chunk(p.N, tp.size());
   std::atomic<int64_t> next{0};
   tp.run([&](int) {
-    uint16_t* tile = isa == Isa::avx512_bf16 ? thread_tile(tile_buf_elems(p.K)) : nullptr;
+    const int64_t scratch = scratch_elems(isa, p.K);
+    uint16_t* tile = scratch ? thread_tile(scratch) : nullptr;
     for (int64_t n0; (n0 = next.fetch_add(chunk)) < p.N;) gemm_rows(isa, p, xprep, n0, std::min(p.N, n0 + chunk), tile);
   });
 }

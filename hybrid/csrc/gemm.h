@@ -9,7 +9,9 @@
 namespace hybrid {
 
 enum class WeightType { fp8, bf16 };
-enum class Isa { generic = 0, avx2 = 1, avx512_bf16 = 2 };
+// amx: the AVX-512 kernel below amx_min_m tokens, AMX tiles from there on (gemm_amx.h); amx_emulated: the same
+// tiling with the tile operations emulated in plain C++ (any CPU; it checks the AMX path's layouts, not its speed).
+enum class Isa { generic = 0, avx2 = 1, avx512_bf16 = 2, amx = 3, amx_emulated = 4 };
 
 constexpr int kBlock = 128;  // FP8 scale block (both dims)
 
@@ -33,6 +35,8 @@ static inline int64_t padded_k(int64_t K) { return (K + kChunk - 1) / kChunk * k
 // Where k (0..63 within a chunk) sits in the AVX-512 FP8 lane order, and back.
 static inline int64_t lane_of_k(int64_t k) { return ((k % 16) / 8) * 32 + (k / 16) * 8 + k % 8; }
 static inline int64_t k_of_lane(int64_t w) { return 16 * ((w % 32) / 8) + 8 * (w / 32) + w % 8; }
+// Where input column k sits in a row of activations prepared for the FP8 kernels (64-chunks in lane order).
+static inline int64_t fp8_lane(int64_t k) { return k / kChunk * kChunk + lane_of_k(k % kChunk); }
 
 // Compute rows [n0, n1) of Y. n0 must be a multiple of 4 (and of 128 when splitting across threads).
 void gemm_rows_generic(const GemmProblem& p, int64_t n0, int64_t n1);
@@ -41,6 +45,10 @@ void gemm_rows_avx512(const GemmProblem& p, const uint16_t* xprep, int64_t n0, i
 
 // AVX-512: activations in the kernel's lane order (fp8 path) or natural order (bf16 path).
 void prepare_x_avx512(const GemmProblem& p, uint16_t* xprep);
+// Rows [n, n+count), 64-chunks [c0, c1) of FP8 weights -> BF16 in the kernel's lane order, row r chunk c at
+// buf + r*ld + (c-c0)*64 (zeros past K); `prefetch`: bytes ahead of each load to prefetch (0: none).
+void convert_rows_avx512(const GemmProblem& p, int64_t n, int64_t count, int64_t c0, int64_t c1, int64_t prefetch,
+                         uint16_t* buf, int64_t ld);
 // Scratch the AVX-512 prefill path needs per thread (a converted weight tile), in uint16 elements.
 constexpr int64_t kTileRows = 16;
 static inline int64_t tile_buf_elems(int64_t K) { return kTileRows * padded_k(K); }
@@ -50,6 +58,10 @@ struct Tunables {
   // From this many tokens on, the AVX-512 FP8 path converts each 16-row weight tile to BF16 once and reuses it
   // for every token; below it, weights are converted as they stream by (shared across up to 4 tokens).
   int64_t tile_min_m = 64;
+  // Variant amx: from this many tokens on, an FP8 GEMM runs on AMX tiles; below, on the AVX-512 kernel.
+  // 8 is a first guess, to be measured on an AMX CPU (bench=kernels, both variants; at T = 512, top-8 of 256
+  // experts, an expert gets 16 tokens on average, at T = 128 four).
+  int64_t amx_min_m = 8;
 };
 Tunables& tunables();
 

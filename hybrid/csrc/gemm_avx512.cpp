@@ -150,19 +150,19 @@ void rows(const GemmProblem& p, const uint16_t* xp, int64_t n0, int64_t n1, At a
     token_tiles<1, MT>(p, at(n), xp, ldxp, p.scale ? p.scale + (n / kBlock) * p.lds : nullptr, p.y + n);
 }
 
-void convert_tile(const GemmProblem& p, int64_t n, int64_t count, uint16_t* buf) {
-  const Fp8Rows L{static_cast<const uint8_t*>(p.w) + n * p.ldw, p.ldw, p.K, &tables(), kTileRows * p.ldw};
-  const int64_t ld = padded_k(p.K);
+}  // namespace
+
+void convert_rows_avx512(const GemmProblem& p, int64_t n, int64_t count, int64_t c0, int64_t c1, int64_t prefetch,
+                         uint16_t* buf, int64_t ld) {
+  const Fp8Rows L{static_cast<const uint8_t*>(p.w) + n * p.ldw, p.ldw, p.K, &tables(), prefetch};
   for (int r = 0; r < count; ++r)
-    for (int64_t c = 0; c * kChunk < p.K; ++c) {
+    for (int64_t c = c0; c < c1; ++c) {
       __m512i a, b;
       L.load(r, c, a, b);
-      _mm512_store_si512(buf + r * ld + c * kChunk, a);
-      _mm512_store_si512(buf + r * ld + c * kChunk + 32, b);
+      _mm512_store_si512(buf + r * ld + (c - c0) * kChunk, a);
+      _mm512_store_si512(buf + r * ld + (c - c0) * kChunk + 32, b);
     }
 }
-
-}  // namespace
 
 void prepare_x_avx512(const GemmProblem& p, uint16_t* xprep) {
   const int64_t kp = padded_k(p.K);
@@ -198,7 +198,7 @@ void gemm_rows_avx512(const GemmProblem& p, const uint16_t* xp, int64_t n0, int6
   const int64_t ld = padded_k(p.K);
   for (int64_t g = n0; g < n1; g += kTileRows) {
     const int64_t count = lo(kTileRows, n1 - g);
-    convert_tile(p, g, count, tile_buf);
+    convert_rows_avx512(p, g, count, 0, ld / kChunk, kTileRows * p.ldw, tile_buf, ld);
     auto tile_rows = [&](int64_t n) { return Bf16Tile{tile_buf + (n - g) * ld, ld}; };
     rows<2, 4>(p, xp, g, g + count, tile_rows);
   }

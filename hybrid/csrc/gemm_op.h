@@ -18,5 +18,6 @@ void prepare_x(Isa isa, const GemmProblem& p, Scratch<uint16_t>& buf, const uint
 int64_t row_chunk(int64_t N, int threads);
 std::string selected_isa(const std::string& name);
 void set_tile_min_m(int64_t m);
+void set_amx_min_m(int64_t m);
 
 }  // namespace hybrid

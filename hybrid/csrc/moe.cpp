@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "dispatch.h"
+#include "gemm_amx.h"
 #include "gemm_op.h"
 #include "thread_pool.h"
 
@@ -24,6 +25,8 @@ struct MoELayer::Plan {
   int64_t ldo = 0;
   std::vector<int32_t> used;          // experts with at least one token
   std::vector<int64_t> row0, rows;    // per used expert: first row in the grouped buffers, token count
+  std::vector<XLayout> layout;        // per used expert: the activations its kernels read (x_layout)
+  std::vector<int64_t> prow0;         // per used expert: first row in xprep and h (AMX layout: padded to 16)
   std::vector<int32_t> token;         // per grouped row: its token
   std::vector<int64_t> slot_row;      // per (t, k): its grouped row
   std::vector<Task> tasks;
@@ -159,12 +162,21 @@ void MoELayer::schedule(const std::string& isa, int participants) {
   p.isa = resolve_isa(isa);
   p.threads = participants;
   const int64_t R = int64_t(p.token.size()), n_used = int64_t(p.used.size());
-  const bool avx512 = p.isa == Isa::avx512_bf16;
+  int64_t prepared = 0;  // rows of xprep and h
+  bool any_prepared = false;
+  p.layout.clear(), p.prow0.clear();
+  for (int64_t e = 0; e < n_used; ++e) {
+    const GemmProblem q{nullptr, 0, nullptr, 0, nullptr, 0, nullptr, 0, p.rows[e], 0, 0, wt_};
+    p.layout.push_back(x_layout(p.isa, q));
+    p.prow0.push_back(prepared);
+    prepared += x_rows(p.layout.back(), p.rows[e]);
+    any_prepared |= p.layout.back() != XLayout::plain;
+  }
   p.ldxp = padded_k(D_);
-  p.ldh = avx512 ? padded_k(I_) : I_;
+  p.ldh = any_prepared ? padded_k(I_) : I_;
   p.xg.get(R * D_);
-  if (avx512) p.xprep.get(R * p.ldxp);
-  p.h.get(R * p.ldh, /*zero=*/avx512 && p.ldh != I_);
+  if (any_prepared) p.xprep.get(prepared * p.ldxp);
+  p.h.get(prepared * p.ldh, /*zero=*/p.ldh != I_);  // the lanes past I stay zero
   p.g.get(R * I_), p.u.get(R * I_), p.y.get(R * D_);
 
   const int64_t per_expert = std::max<int64_t>(1, (8 * p.threads + n_used - 1) / std::max<int64_t>(n_used, 1));
@@ -202,10 +214,9 @@ void MoELayer::prepare_expert(int e) {
     const int64_t base = p.row0[e];
     for (int64_t r = 0; r < p.rows[e]; ++r)
       std::memcpy(p.xg.data() + (base + r) * D_, p.x + p.token[base + r] * p.ldx, D_ * sizeof(uint16_t));
-    if (p.isa == Isa::avx512_bf16) {
-      const GemmProblem q{p.xg.data() + base * D_, D_, nullptr, 0, nullptr, 0, nullptr, 0, p.rows[e], 0, D_, wt_};
-      prepare_x_avx512(q, p.xprep.data() + base * p.ldxp);
-    }
+    const GemmProblem q{p.xg.data() + base * D_, D_, nullptr, 0, nullptr, 0, nullptr, 0, p.rows[e], 0, D_, wt_};
+    if (p.layout[e] == XLayout::avx512) prepare_x_avx512(q, p.xprep.data() + p.prow0[e] * p.ldxp);
+    if (p.layout[e] == XLayout::amx) prepare_x_amx(q, p.xprep.data() + p.prow0[e] * p.ldxp);
     p.prep[e].store(2, std::memory_order_release);
   }
   while (p.prep[e].load(std::memory_order_acquire) != 2) _mm_pause();
@@ -217,20 +228,23 @@ void MoELayer::gate_up(int e, int64_t r0, int64_t r1, uint16_t* tile) {
   const Expert& w = w_[p.used[e]];
   const int64_t base = p.row0[e], M = p.rows[e];
   const uint16_t* x = p.xg.data() + base * D_;
-  const uint16_t* xprep = p.isa == Isa::avx512_bf16 ? p.xprep.data() + base * p.ldxp : nullptr;
+  const uint16_t* xprep = p.layout[e] == XLayout::plain ? nullptr : p.xprep.data() + p.prow0[e] * p.ldxp;
   float* g = p.g.data() + base * I_;
   float* u = p.u.data() + base * I_;
   gemm_rows(p.isa, {x, D_, w.gate, w.ld_gu, w.gs, w.lds_gu, g, I_, M, I_, D_, wt_}, xprep, r0, r1, tile);
   gemm_rows(p.isa, {x, D_, w.up, w.ld_gu, w.us, w.lds_gu, u, I_, M, I_, D_, wt_}, xprep, r0, r1, tile);
-  const bool lanes = p.isa == Isa::avx512_bf16 && wt_ == WeightType::fp8;  // the BF16 kernel reads natural order
-  for (int64_t m = 0; m < M; ++m) {
-    uint16_t* h = p.h.data() + (base + m) * p.ldh;
+  // h in the layout the down kernel reads: row-major (lane order for the AVX-512 FP8 kernel) or the AMX layout
+  const XLayout layout = p.layout[e];
+  const bool lanes = layout == XLayout::avx512 && wt_ == WeightType::fp8;  // the BF16 kernel reads natural order
+  uint16_t* h = p.h.data() + p.prow0[e] * p.ldh;
+  for (int64_t m = 0; m < M; ++m)
     for (int64_t i = r0; i < r1; ++i) {
       const float a = g[m * I_ + i];
       const float v = a / (1.0f + std::exp(-a)) * u[m * I_ + i];
-      h[lanes ? i / kChunk * kChunk + lane_of_k(i % kChunk) : i] = float_to_bf16(v);
+      const int64_t at = layout == XLayout::amx ? amx_x_index(m, fp8_lane(i), p.ldh)
+                                                : m * p.ldh + (lanes ? fp8_lane(i) : i);
+      h[at] = float_to_bf16(v);
     }
-  }
   p.gu_left[e].fetch_sub(1, std::memory_order_acq_rel);
 }
 
@@ -239,9 +253,10 @@ void MoELayer::down(int e, int64_t r0, int64_t r1, uint16_t* tile) {
   while (p.gu_left[e].load(std::memory_order_acquire) != 0) _mm_pause();  // this expert's own barrier
   const Expert& w = w_[p.used[e]];
   const int64_t base = p.row0[e];
-  const uint16_t* h = p.h.data() + base * p.ldh;
+  const bool plain = p.layout[e] == XLayout::plain;
+  const uint16_t* h = p.h.data() + p.prow0[e] * p.ldh;
   const GemmProblem q{h, p.ldh, w.down, w.ld_d, w.ds, w.lds_d, p.y.data() + base * D_, D_, p.rows[e], D_, I_, wt_};
-  gemm_rows(p.isa, q, p.isa == Isa::avx512_bf16 ? h : nullptr, r0, r1, tile);
+  gemm_rows(p.isa, q, plain ? nullptr : h, r0, r1, tile);
 }
 
 void MoELayer::reduce(int64_t t, int64_t d0, int64_t d1) {
@@ -266,7 +281,8 @@ void MoELayer::reduce(int64_t t, int64_t d0, int64_t d1) {
 
 void MoELayer::run_job(int) {
   Plan& p = *p_;
-  uint16_t* tile = p.isa == Isa::avx512_bf16 ? thread_tile(tile_buf_elems(std::max(D_, I_))) : nullptr;
+  const int64_t scratch = scratch_elems(p.isa, std::max(D_, I_));
+  uint16_t* tile = scratch ? thread_tile(scratch) : nullptr;
   const int64_t n_tasks = int64_t(p.tasks.size());
   for (int64_t i; (i = p.next_task.fetch_add(1)) < n_tasks;) {
     const Task& t = p.tasks[i];

@@ -1,10 +1,17 @@
 """Build the engine from the configs: load the checkpoint, place it (routed experts on the CPU kernels, the rest on
 the compute device), plan the device's memory, resolve every `null` of the policy into the plan, and make the
-`Engine`. The one place that decides devices."""
+`Engine`. The one place that decides devices.
+
+`rebuild` makes a new Engine around an already placed model for a policy that differs only in REBUILDABLE knobs
+(threads, chunk sizes, cutoff, ring, group size, batch cap, graphs mode, hot experts): the tuner's trials change
+those without loading the model again."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -13,15 +20,15 @@ from hybrid.config.schema import HwConfig, HybridConfig, PolicyConfig
 from hybrid.engine.engine import Engine
 from hybrid.engine.hot_experts import HotExperts
 from hybrid.engine.long_prefill import LongPrefill
-from hybrid.engine.memory import Ledger, auto_chunk, check_kv_cache, free_bytes, group_bytes
+from hybrid.engine.memory import Ledger, auto_chunk, check_kv_cache, free_bytes, group_bytes, kv_cache_bytes
 from hybrid.engine.placement import (cpu_experts, experts_to_cpu_kernels, hot_experts_to_device, pin_experts,
                                      place)
-from hybrid.engine.plan import Plan
+from hybrid.engine.plan import Plan, resolve_prefill_gpus
 from hybrid.engine.staging import Staging
 from hybrid.errors import ConfigError
 from hybrid.kernels import combine, fp8_linear, pointwise, thread_pool
 from hybrid.kernels.dispatch import kernel_name, selected
-from hybrid.kernels.gemm import set_tile_min_tokens
+from hybrid.kernels.gemm import set_amx_min_tokens, set_tile_min_tokens
 from hybrid.model.transformer import Transformer
 from hybrid.prefill.ring import expert_tensors, layout
 from hybrid.prefill.slp import StreamLoader, group_size
@@ -43,7 +50,7 @@ def cpu_threads(p: PolicyConfig, hw: HwConfig) -> int:
     return detect().physical_cores
 
 
-def configure_cpu(threads: int, tile_tokens: int) -> None:
+def configure_cpu(threads: int, tile_tokens: int, amx_tokens: int) -> None:
     """The native kernels' process-wide settings (one thread pool per process) and torch's intra-op threads, from
     the plan, once per engine. One count for both: without a GPU they take turns within a step (placement runs the
     routed experts synchronously, the shared experts after them), and torch keeps every core for what stays its own
@@ -51,13 +58,54 @@ def configure_cpu(threads: int, tile_tokens: int) -> None:
     torch.set_num_threads(threads)
     thread_pool.set_threads(threads)
     set_tile_min_tokens(tile_tokens)
+    set_amx_min_tokens(amx_tokens)
+
+
+# Knobs a rebuild changes around the placed model (`rebuild`): every other knob needs the model placed again.
+REBUILDABLE = frozenset({"cpu.threads", "cpu.gemm_tile_tokens", "cpu.amx_min_tokens", "prefill.chunk_tokens",
+                         "prefill.slp_cutoff_tokens", "prefill.ring_len", "prefill.slp_chunk_tokens",
+                         "prefill.slp_group_experts", "prefill.beside_decode", "prefill.stream_cap_gbps",
+                         "decode.batch_cap", "decode.cuda_graphs", "gpu.experts_per_layer"})
+
+
+@dataclass(frozen=True)
+class Placed:
+    """The loaded, placed model and what placement made for it: what `rebuild` keeps."""
+    policy: PolicyConfig  # the policy it was placed with
+    model: Transformer
+    tokenizer: object
+    device: torch.device
+    staging: Staging
+    gemm: fp8_linear.Fp8Gemm
+    fused: pointwise.Fused
+    weight_bytes: int
+    native: bool
+    loader: Optional[StreamLoader]  # stream-loading prefill's (GPU, native experts only)
 
 
 def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
+    return assemble(place_model(s, hw, progress), s, hw)
+
+
+def rebuild(engine: Engine, s: HybridConfig, hw: HwConfig) -> Engine:
+    """A new Engine for policy s.policy around `engine`'s placed model (its KV cache, stream loader and, where they
+    still apply, hot experts and captured graphs kept). Only the REBUILDABLE knobs may differ from the policy it
+    was placed with; `engine` must be idle and is not used after."""
+    placed: Placed = engine.parts["placed"]
+    changed = [k for k in _changed(placed.policy, s.policy) if k not in REBUILDABLE]
+    if changed:
+        raise ConfigError(f"policy.{changed[0]} changed: it needs the model placed again (build, not rebuild)")
+    if engine.has_work():
+        raise RuntimeError("rebuild: the engine still has requests")
+    return assemble(placed, s, hw, engine)
+
+
+def place_model(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Placed:
+    """Load the checkpoint and place it: routed experts on the CPU kernels (pinned for a GPU), the rest on the
+    compute device; the FP8 GEMM and fused kernels warmed up."""
     p = s.policy
     device = compute_device(hw)
-    threads = cpu_threads(p, hw)
-    configure_cpu(threads, p.cpu.gemm_tile_tokens)
+    configure_cpu(cpu_threads(p, hw), p.cpu.gemm_tile_tokens, p.cpu.amx_min_tokens)
     gemm = fp8_linear.Fp8Gemm(p.gpu.fp8_gemm, p.gpu.fp8_dequant_rows)
     if device.type == "cuda" and fp8_linear.triton is None:
         print("note: Triton is not installed: FP8 weights on the GPU are dequantised with torch ops before use "
@@ -73,48 +121,89 @@ def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
             print(f"routed experts: {pinned / 1e9:.2f} GB in pinned host memory", file=sys.stderr)
     elif p.cpu.deferred_experts:
         raise ConfigError("policy.cpu.deferred_experts needs policy.cpu.moe_backend=native")
-    hot = hot_experts(s, model, device, gemm)
     # Triton compiles now, not in a first long prompt; where it fails, the torch forms run
     fused = pointwise.Fused(pointwise.warm_up(a, device, model.dtype))
     weight_bytes = place(model, device, p.gpu.weights, gemm, fused, kernel_name(p.cpu.kernel) if native else None)
-    hot_bytes = sum(h.nbytes for h in hot)
-    if device.type == "cuda":
-        print(f"GPU side: {(weight_bytes + hot_bytes) / 1e9:.2f} GB of weights", file=sys.stderr)
-    budget = free_bytes(device, p.gpu.memory_budget_gb)
-    kv = check_kv_cache(a, model.dtype, p.kv.max_batch, p.kv.max_context, budget, device)
-    cache = model.new_cache(p.kv.max_batch, p.kv.max_context, device)
-
-    long_prefill, group, chunk, loader = None, 1, 0, None
+    loader = None
     if device.type == "cuda" and native:
-        group = group_size(p.prefill.slp_group_experts, device, model.dtype)
         if a.fp8_block:
             fp8_linear.warm_up(expert_gemm_shapes(a), device, gemm)
         loader = StreamLoader(gemm, combine.warm_up(a.num_experts_per_tok, a.hidden_size, device, model.dtype))
-        slot = slot_bytes(model)
-        ledger = Ledger(budget, weight_bytes, kv, hot_bytes, group_bytes(a, group))
-        chunk = p.prefill.slp_chunk_tokens or auto_chunk(a, ledger.free, slot)
-        long_prefill = LongPrefill(model, device, loader, slot, group, p.prefill.ring_len, p.gpu.memory_budget_gb)
+    return Placed(p, model, tok, device, staging, gemm, fused, weight_bytes, native, loader)
+
+
+def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[Engine] = None) -> Engine:
+    """The Engine for policy s.policy around a placed model: threads, hot experts, KV cache, memory ledger,
+    stream-loading prefill, decode graphs, plan. `previous`: the engine it replaces (its cache, hot experts and
+    graphs are reused where the policy leaves them as they were)."""
+    p, model, device = s.policy, placed.model, placed.device
+    a = model.args
+    threads = cpu_threads(p, hw)
+    configure_cpu(threads, p.cpu.gemm_tile_tokens, p.cpu.amx_min_tokens)
+    same_hot = previous is not None and previous.plan.gpu_experts_per_layer == p.gpu.experts_per_layer
+    if same_hot:
+        hot = previous.parts["hot"]
     else:
-        ledger = Ledger(budget, weight_bytes, kv, hot_bytes)
+        if previous is not None and previous.parts["hot"]:
+            hot_experts_to_device(model, 0, device)  # the old slots go before the new are counted against the budget
+        hot = hot_experts(s, model, device, placed.gemm)
+    hot_bytes = sum(h.nbytes for h in hot)
+    if device.type == "cuda" and previous is None:
+        print(f"GPU side: {(placed.weight_bytes + hot_bytes) / 1e9:.2f} GB of weights", file=sys.stderr)
+    cache = previous.cache if previous is not None else None
+    held = kv_cache_bytes(a, model.dtype, cache.slots, cache.max_context) if cache is not None else 0
+    budget = free_bytes(device, p.gpu.memory_budget_gb) + held
+    kv = check_kv_cache(a, model.dtype, p.kv.max_batch, p.kv.max_context, budget, device)
+    cache = cache or model.new_cache(p.kv.max_batch, p.kv.max_context, device)
+
+    long_prefill, group, chunk = None, 1, 0
+    if placed.loader is not None:
+        group = group_size(p.prefill.slp_group_experts, device, model.dtype)
+        slot = slot_bytes(model)
+        ledger = Ledger(budget, placed.weight_bytes, kv, hot_bytes, group_bytes(a, group))
+        chunk = p.prefill.slp_chunk_tokens or auto_chunk(a, ledger.free, slot)
+        long_prefill = LongPrefill(model, device, placed.loader, slot, group, p.prefill.ring_len,
+                                   p.gpu.memory_budget_gb)
+    else:
+        ledger = Ledger(budget, placed.weight_bytes, kv, hot_bytes)
     graphs = graphs_apply(s, device)
     decode = None
     if graphs:
-        from hybrid.engine.cuda_graphs import GraphedDecode  # GPU only: loads the CUDA driver's entry point
+        decode = previous.decoder(p.decode.cuda_graphs) if same_hot else None  # graphs captured with these slots
+        if decode is None:
+            from hybrid.engine.cuda_graphs import GraphedDecode  # GPU only: loads the CUDA driver's entry point
 
-        decode = GraphedDecode(model, cache, staging, p.decode.cuda_graphs, p.kv.max_batch)
-    plan = Plan(device=device, threads=threads, cpu_kernel=selected(p.cpu.kernel) if native else "torch",
-                cpu_gemm_tile_tokens=p.cpu.gemm_tile_tokens, moe_backend=p.cpu.moe_backend,
+            decode = GraphedDecode(model, cache, placed.staging, p.decode.cuda_graphs, p.kv.max_batch)
+    plan = Plan(device=device, threads=threads, cpu_kernel=selected(p.cpu.kernel) if placed.native else "torch",
+                cpu_gemm_tile_tokens=p.cpu.gemm_tile_tokens, cpu_amx_min_tokens=p.cpu.amx_min_tokens,
+                moe_backend=p.cpu.moe_backend,
                 deferred_experts=p.cpu.deferred_experts, max_batch=p.kv.max_batch, max_context=p.kv.max_context,
                 batch_cap=p.decode.batch_cap, prefill_chunk_tokens=p.prefill.chunk_tokens,
                 slp_cutoff_tokens=p.prefill.slp_cutoff_tokens, slp_chunk_tokens=chunk,
                 ring_len=p.prefill.ring_len, slp_group_experts=group,
+                prefill_gpus=resolve_prefill_gpus(p.prefill.gpus, len(hw.gpus), device.type), prefill_ep=p.prefill.ep,
+                prefill_beside_decode=p.prefill.beside_decode,
+                stream_cap_bytes_s=p.prefill.stream_cap_gbps * 1e9 if p.prefill.stream_cap_gbps else None,
                 gpu_weights=p.gpu.weights, gpu_fp8_gemm=p.gpu.fp8_gemm, gpu_fp8_dequant_rows=p.gpu.fp8_dequant_rows,
                 cuda_graphs=p.decode.cuda_graphs if graphs else "off", gpu_experts_per_layer=p.gpu.experts_per_layer,
                 ledger=ledger)
     print(plan.describe(), file=sys.stderr)
     after = functools.partial(_refresh, hot) if hot else None
-    parts = {"staging": staging, "loader": loader, "graphs": decode, "hot": hot, "gemm": gemm, "fused": fused}
-    return Engine(model, plan, tok, cache, decode, long_prefill, after, parts)
+    parts = {"staging": placed.staging, "loader": placed.loader, "graphs": decode, "hot": hot, "gemm": placed.gemm,
+             "fused": placed.fused, "placed": placed}
+    return Engine(model, plan, placed.tokenizer, cache, decode, long_prefill, after, parts)
+
+
+def _changed(a, b, prefix: str = "") -> list[str]:
+    """Dotted paths of the knobs whose values differ between two policies (nested dataclasses)."""
+    out = []
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if dataclasses.is_dataclass(x):
+            out += _changed(x, y, f"{prefix}{f.name}.")
+        elif x != y:
+            out.append(prefix + f.name)
+    return out
 
 
 def _refresh(hot: list[HotExperts]) -> None:

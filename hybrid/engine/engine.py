@@ -14,6 +14,7 @@ Scheduling: hybrid/engine/scheduler.py.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import warnings
@@ -30,6 +31,7 @@ from hybrid.engine.sampler import Sampler, choose
 from hybrid.engine.scheduler import Chunk, Scheduler
 from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
+from hybrid.prefill.throttle import Throttle
 from hybrid.tokenizer import Tokenizer
 
 # decode(tokens_B1, pos_B1, slots_B, kv_len) -> logits_BV: eager, or replayed CUDA graphs
@@ -71,14 +73,19 @@ class Engine:
         self.eos_ids = frozenset({model.args.eos_token_id} - {None})
         if tokenizer is not None:
             self.eos_ids |= tokenizer.eos_ids
+        # a chunk the scheduler marks for two GPUs (plan.prefill_gpus) runs on this engine's one device: the second
+        # GPU's process is hybrid/parallel's (bench=prefill runs it), not held by the engine yet
         self.scheduler = Scheduler(self.cache.slots, plan.batch_cap, plan.prefill_chunk_tokens,
-                                   plan.slp_cutoff_tokens if long_prefill is not None else None)
+                                   plan.slp_cutoff_tokens if long_prefill is not None else None, plan.prefill_gpus,
+                                   beside_decode=plan.prefill_beside_decode)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
         self._aborts: set[int] = set()
         self._requests: dict[int, Request] = {}
         self._samplers: dict[int, Sampler] = {}
+        self._throttle = Throttle()  # paces a stream-loading prefill beside decode (plan.stream_cap_bytes_s)
+        self._beside: Optional[_Beside] = None  # the stream-loading prefill running beside decode, if any
         self.last_step_s = 0.0
 
     # -- requests ---------------------------------------------------------------------------------------------
@@ -132,11 +139,17 @@ class Engine:
         changed: dict[int, Request] = {}
         self._take_inbox(changed)
         plan = self.scheduler.plan()
+        # a stream-loading prefill beside decode is paced while requests decode, at full speed when none does
+        self._throttle.set_rate(self.plan.stream_cap_bytes_s if plan.decode else None)
         for chunk in plan.prefill:
-            self._prefill(chunk, changed)
+            if chunk.beside:
+                self._beside = _Beside.start(self, chunk)
+            else:
+                self._prefill(chunk, changed)
         live = [r for r in plan.decode if not r.finished]
         if live:
             self._decode_step(live, changed)
+        self._collect_beside(changed, wait=not live and not plan.prefill)
         self.last_step_s = time.perf_counter() - t0
         return [self._output(r) for r in changed.values()]
 
@@ -150,15 +163,25 @@ class Engine:
             self.scheduler.add(req)
         for rid in aborts:
             req = self._requests.get(rid)
-            if req is not None and not req.finished:
+            if req is not None and req.state is State.streaming:
+                self._beside.aborted = True  # its slot is written until the prefill ends: it finishes then
+            elif req is not None and not req.finished:
                 self._finish(req, FinishReason.abort, changed)
 
     def _prefill(self, chunk: Chunk, changed: dict[int, Request]) -> None:
-        req = chunk.request
         try:
             logits = self._prefill_logits(chunk)
-            token = self._samplers[req.id].sample(logits) if chunk.last else None
         except Exception as e:  # this request fails; the others go on
+            self._fail([chunk.request], e, changed)
+            return
+        self._prefilled(chunk, logits, changed)
+
+    def _prefilled(self, chunk: Chunk, logits: torch.Tensor, changed: dict[int, Request]) -> None:
+        """A chunk's prefill is done: the first token sampled after the prompt's last chunk."""
+        req = chunk.request
+        try:
+            token = self._samplers[req.id].sample(logits) if chunk.last else None
+        except Exception as e:
             self._fail([req], e, changed)
             return
         req.prefilled = chunk.end
@@ -190,16 +213,37 @@ class Engine:
         for at in range(start, end, step):
             stop = min(end, at + step)
             with self._long_prefill(stop - at, **stream) as pipe:
-                logits = self._forward(prompt[at:stop], at, slot)
+                logits = self._forward(prompt[at:stop], at, slot, pipe.experts)
             pipes.append(pipe.stats())  # not the pipeline: its ring and buffers go back before the next chunk
         return logits, pipes
 
-    def _forward(self, tokens: list[int], start: int, slot: int) -> torch.Tensor:
-        """Prefill of tokens at positions start.. into `slot`: the last token's logits."""
+    def _forward(self, tokens: list[int], start: int, slot: int, experts=None) -> torch.Tensor:
+        """Prefill of tokens at positions start.. into `slot` (`experts`: a stream-loading prefill's routed
+        experts, by layer): the last token's logits."""
         dev, end = self.device, start + len(tokens)
         logits = self.model(torch.tensor([tokens], device=dev), torch.arange(start, end, device=dev)[None],
-                            self.cache, torch.tensor([slot], device=dev), last_only=True, kv_len=end)
+                            self.cache, torch.tensor([slot], device=dev), last_only=True, kv_len=end,
+                            experts=experts)
         return logits[0, -1]
+
+    def _collect_beside(self, changed: dict[int, Request], wait: bool) -> None:
+        """The prefill beside decode, once it has ended: its request decodes from the next step (or fails, or
+        finishes as aborted). `wait`: nothing else to do in this step, so wait a moment for it."""
+        b = self._beside
+        if b is None or not b.done.wait(0.01 if wait else 0):
+            return
+        self._beside = None
+        req = b.chunk.request
+        b.thread.join()
+        if b.side is not None:  # its KV writes and logits before anything the engine's stream runs next
+            torch.cuda.current_stream(self.device).wait_stream(b.side)
+        if b.aborted:
+            self._finish(req, FinishReason.abort, changed)
+        elif b.error is not None:
+            self._fail([req], b.error, changed)
+        else:
+            req.state = State.prefilling
+            self._prefilled(b.chunk, b.logits, changed)
 
     def _decode_step(self, live: list[Request], changed: dict[int, Request]) -> None:
         dev = self.device
@@ -330,6 +374,43 @@ class Engine:
                 if req.id == rid:
                     return req
         return self._requests[rid]
+
+
+@dataclass
+class _Beside:
+    """A prompt's stream-loading prefill on a thread of its own (and its own CUDA stream), while the engine's
+    thread goes on stepping decode: the weights stay one copy in host memory — decode's CPU experts read them there,
+    the prefill streams them through the GPU."""
+    chunk: Chunk
+    thread: threading.Thread
+    done: threading.Event
+    side: Optional[torch.cuda.Stream]
+    logits: Optional[torch.Tensor] = None
+    error: Optional[BaseException] = None
+    aborted: bool = False
+
+    @classmethod
+    def start(cls, engine: "Engine", chunk: Chunk) -> "_Beside":
+        req = chunk.request
+        req.state = State.streaming
+        side = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
+        if side is not None:  # what the engine's stream wrote (e.g. a cleared slot) before the prefill reads
+            side.wait_stream(torch.cuda.current_stream(engine.device))
+        b = cls(chunk, threading.Thread(target=lambda: b._run(engine), name=f"prefill-{req.id}", daemon=True),
+                threading.Event(), side)
+        b.thread.start()
+        return b
+
+    def _run(self, engine: "Engine") -> None:
+        c = self.chunk
+        try:
+            with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
+                self.logits = engine._prefill_range(c.request.prompt, c.start, c.end, c.request.slot, True,
+                                                    throttle=engine._throttle)[0]
+        except BaseException as e:  # noqa: BLE001 - handed to the engine's thread, which fails the request
+            self.error = e
+        finally:
+            self.done.set()
 
 
 def _first_stop(text: str, stops: tuple[str, ...], since: int) -> Optional[int]:

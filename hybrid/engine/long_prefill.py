@@ -12,6 +12,7 @@ from hybrid.engine.memory import auto_ring_len, free_bytes, ring_budget
 from hybrid.kernels.fp8_linear import Fp8Gemm
 from hybrid.model.transformer import Transformer
 from hybrid.prefill.slp import StreamLoader
+from hybrid.prefill.throttle import Throttle
 
 
 @dataclass(frozen=True)
@@ -25,12 +26,13 @@ class LongPrefill:
     budget_gb: Optional[float] = None  # policy.gpu.memory_budget_gb (None: the device's free memory less a reserve)
 
     def __call__(self, tokens: int, ring_len: Optional[int] = None, group: Optional[int] = None,
-                 gemm: Optional[Fp8Gemm] = None) -> ContextManager:
-        """The context in which a chunk of `tokens` tokens is prefilled with the experts streamed; the arguments
-        replace the plan's for this call."""
+                 gemm: Optional[Fp8Gemm] = None, throttle: Optional[Throttle] = None) -> ContextManager:
+        """The context in which a chunk of `tokens` tokens is prefilled with the experts streamed (the pipeline's
+        `experts` go to the model call); ring_len, group and gemm replace the plan's for this call; `throttle`
+        paces the copies (a prefill beside decode)."""
         a = self.model.args
         group = self.group if group is None else group
         budget = ring_budget(a, free_bytes(self.device, self.budget_gb), self.loader.kept_ring_bytes(self.device),
                              group, tokens)
         ring_len = ring_len or self.ring_len or auto_ring_len(a.n_routed_experts, self.slot_bytes, budget)
-        return self.loader.streaming(self.model, self.device, ring_len, budget, group, gemm)
+        return self.loader.streaming(self.model, self.device, ring_len, budget, group, gemm, throttle)

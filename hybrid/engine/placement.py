@@ -12,7 +12,8 @@
   fused-kernel decision chosen for the device. On the CPU with the native kernels, its FP8 Linears run on them too
   (`CpuFp8Gemm`, over the FP8 bytes in place) and the routed experts run in turn with the rest, on every core; on
   the CPU, a BF16 model's kv_b_proj is dequantised once (attention reads it whole at every step).
-- `hot_experts_to_device`: every MoE layer on the CPU kernels gets GPU slots for its hottest routed experts.
+- `hot_experts_to_device`: every MoE layer on the CPU kernels gets GPU slots for its hottest routed experts (or
+  loses them: n = 0).
 - `pin_experts`: the routed experts' weights move into one pinned host arena per layer (fast copies to the GPU for
   stream-loading prefill); the mmap'd checkpoint pages are then no longer referenced.
 
@@ -30,7 +31,7 @@ from hybrid.kernels.moe import CpuMoE
 from hybrid.kernels.pointwise import FUSED, Fused
 from hybrid.model.attention import MLA
 from hybrid.model.layers import Linear, RMSNorm
-from hybrid.model.moe import MoE, RoutedExperts
+from hybrid.model.moe import MoE, RoutedExperts, Router
 from hybrid.engine.hot_experts import PROJ, HotExperts
 from hybrid.engine.staging import Deferral, Staging
 from hybrid.prefill.ring import expert_tensors, layout
@@ -248,7 +249,7 @@ def place(model: nn.Module, device: torch.device, gpu_weights: str = "dense", ge
         for layer in cpu_experts(model):
             layer.overlap = False
     for m in model.modules():
-        if isinstance(m, Linear):
+        if isinstance(m, (Linear, Router)):
             m.gemm = gemm
         elif isinstance(m, (RMSNorm, MLA)):
             m.fused = fused
@@ -271,11 +272,12 @@ def _dense(lin: Linear, dtype: torch.dtype) -> None:
 def hot_experts_to_device(model: nn.Module, n: int, device: torch.device,
                           gemm: Fp8Gemm = DEFAULT_GEMM) -> list[HotExperts]:
     """Every MoE layer on the CPU kernels gets n slots on `device` for its hottest routed experts (computed through
-    `gemm`); returns them, layer by layer."""
+    `gemm`), in place of those it had (n = 0: none); returns them, layer by layer."""
     hot = []
     for m in [m for m in model.modules() if isinstance(m, MoE) and isinstance(m.experts, CpuExperts)]:
-        m.experts = m.experts.with_hot(HotExperts(m.experts.host_experts, n, device, gemm))
-        hot.append(m.experts.hot)
+        m.experts = m.experts.with_hot(HotExperts(m.experts.host_experts, n, device, gemm) if n else None)
+        if n:
+            hot.append(m.experts.hot)
     return hot
 
 

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from hybrid.engine.memory import Ledger
+from hybrid.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -17,8 +18,9 @@ class Plan:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # CPU experts
     threads: int = 1
-    cpu_kernel: str = "auto"  # the ISA variant the native kernels run (resolved: avx512_bf16 | avx2 | generic)
+    cpu_kernel: str = "auto"  # the ISA variant the native kernels run (resolved: amx | avx512_bf16 | avx2 | generic)
     cpu_gemm_tile_tokens: int = 64
+    cpu_amx_min_tokens: int = 8
     moe_backend: str = "native"
     deferred_experts: int = 0
     # requests
@@ -31,6 +33,10 @@ class Plan:
     slp_chunk_tokens: int = 0  # 0 = the whole prompt at once
     ring_len: Optional[int] = None  # None = per prompt, as deep as the ledger's free memory allows
     slp_group_experts: int = 1
+    prefill_gpus: int = 1  # GPUs a long prompt's prefill may take when nothing decodes (resolve_prefill_gpus)
+    prefill_ep: str = "smallep"  # how two GPUs share the routed experts: smallep | ep
+    prefill_beside_decode: bool = False  # a stream-loaded prompt on its own thread while the others decode
+    stream_cap_bytes_s: Optional[float] = None  # that stream's copy rate while requests decode (None: no cap)
     # GPU side
     gpu_weights: str = "dense"
     gpu_fp8_gemm: str = "triton"
@@ -49,15 +55,37 @@ class Plan:
     def describe(self) -> str:
         """The plan as the start-up banner prints it."""
         p = self
+        amx = f", AMX from {p.cpu_amx_min_tokens}" if p.cpu_kernel == "amx" else ""
         lines = [f"plan: device {p.device}, {p.threads} CPU threads, CPU kernel {p.cpu_kernel} "
-                 f"(tiles reused from {p.cpu_gemm_tile_tokens} tokens per expert), experts on {p.moe_backend}",
+                 f"(tiles reused from {p.cpu_gemm_tile_tokens} tokens per expert{amx}), experts on {p.moe_backend}",
                  f"  requests: {p.max_batch} KV slots x {p.max_context} tokens, at most {p.batch_cap} running, "
                  f"prefill chunks of {p.prefill_chunk_tokens} tokens"]
         if p.device.type == "cuda":
             ring = "auto (per prompt)" if p.ring_len is None else str(p.ring_len)
+            gpus = "one GPU"
+            if p.prefill_gpus > 1:
+                gpus += (f" ({p.prefill_gpus} planned when nothing decodes, {p.prefill_ep}; bench=prefill runs them, "
+                         "the engine holds one GPU's process)")
+            beside = "alone in its step (decode held)"
+            if p.prefill_beside_decode:
+                cap = "uncapped" if p.stream_cap_bytes_s is None else f"{p.stream_cap_bytes_s / 1e9:g} GB/s"
+                beside = f"beside decode ({cap} while requests decode)"
             lines += [f"  stream-loading prefill above {p.slp_cutoff_tokens} tokens: ring {ring}, experts in groups "
-                      f"of {p.slp_group_experts}, chunks {p.slp_chunk_tokens or 'whole prompt'}",
+                      f"of {p.slp_group_experts}, chunks {p.slp_chunk_tokens or 'whole prompt'}, on {gpus}, "
+                      f"{beside}",
                       f"  GPU: weights {p.gpu_weights}, FP8 GEMM {p.gpu_fp8_gemm}, CUDA graphs {p.cuda_graphs}, "
                       f"{p.gpu_experts_per_layer} hot experts per layer",
                       "  memory: " + ", ".join(f"{name} {b / 1e9:.2f} GB" for name, b in p.ledger.rows())]
         return "\n".join(lines)
+
+
+def resolve_prefill_gpus(setting: Optional[int], profile_gpus: int, device_type: str) -> int:
+    """policy.prefill.gpus as a number: null = min(2, the profile's GPUs); 1 without a GPU to compute on. Two asked
+    for on a profile with fewer is a configuration error."""
+    if device_type != "cuda":
+        return 1
+    if setting is None:
+        return max(1, min(2, profile_gpus))
+    if setting > profile_gpus:
+        raise ConfigError(f"policy.prefill.gpus={setting} but the hw profile has {profile_gpus} GPU(s)")
+    return setting

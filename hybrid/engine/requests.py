@@ -59,6 +59,7 @@ class SamplingParams:
 class State(enum.Enum):
     waiting = "waiting"  # queued for a KV slot
     prefilling = "prefilling"  # holds a slot; its prompt goes in chunk by chunk
+    streaming = "streaming"  # holds a slot; its prompt is stream-loaded beside decode (on a thread of its own)
     decoding = "decoding"  # one token per engine step
     finished = "finished"
 

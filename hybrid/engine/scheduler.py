@@ -5,9 +5,13 @@ hold one; then prefill work is picked — prompts up to `long_cutoff` tokens go 
 prompt tokens per step over the admitted requests in order (chunked prefill: the running requests keep decoding
 between chunks). A prompt's chunks always end at multiples of `chunk_tokens`, whatever its batch mates leave of a
 step's budget (a chunk that does not fit waits for the next step): how a prompt is cut changes its logits in the
-last bits, and a request's tokens must not depend on its batch mates; a longer prompt, first in line, is prefilled whole by stream-loading in that step (it holds decode
-meanwhile); then every request that was decoding at the start of the step decodes one token. Pure bookkeeping: the
-engine runs the model.
+last bits, and a request's tokens must not depend on its batch mates. A longer prompt, first in line, is prefilled
+whole by stream-loading in that step (it holds decode meanwhile) — or, with `beside_decode`, on a thread of its own
+while the steps go on (one such prompt at a time; the chunks behind it are not held up). Then every request that
+was decoding at the start of the step decodes one token. Pure bookkeeping: the engine runs the model.
+
+With two GPUs (`prefill_gpus` 2), a stream-loaded prompt is marked for both GPUs only when no request is decoding
+in its step (`prefill_gpus`, the rule); otherwise one GPU prefills while the other GPU and the CPU decode.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ class Chunk:
     start: int
     end: int
     streamed: bool  # stream-loading prefill (the whole rest of the prompt)
+    gpus: int = 1  # GPUs the chunk's stream-loading prefill takes (prefill_gpus)
+    beside: bool = False  # streamed on a thread of its own while the other requests go on (beside_decode)
 
     @property
     def last(self) -> bool:
@@ -40,14 +46,27 @@ class StepPlan:
         return not self.prefill and not self.decode
 
 
+def prefill_gpus(prompt_tokens: int, decoding: int, gpus: int, long_cutoff: Optional[int]) -> int:
+    """GPUs a prompt's prefill takes: all `gpus` (policy.prefill.gpus, resolved) for a stream-loaded prompt (longer
+    than long_cutoff) when no request is decoding; else one — the other GPU and the CPU keep serving decode."""
+    if gpus < 1:
+        raise ValueError(f"prefill needs at least one GPU to plan for, got {gpus}")
+    streamed = long_cutoff is not None and prompt_tokens > long_cutoff
+    return gpus if streamed and decoding == 0 else 1
+
+
 class Scheduler:
-    def __init__(self, slots: int, batch_cap: int, chunk_tokens: int, long_cutoff: Optional[int] = None):
-        """long_cutoff: prompts longer than this are stream-loaded (None: every prompt goes in chunks)."""
+    def __init__(self, slots: int, batch_cap: int, chunk_tokens: int, long_cutoff: Optional[int] = None,
+                 gpus: int = 1, beside_decode: bool = False):
+        """long_cutoff: prompts longer than this are stream-loaded (None: every prompt goes in chunks); gpus: the
+        most GPUs a stream-loaded prompt may take (prefill_gpus); beside_decode: a stream-loaded prompt runs beside
+        the other requests' decode and chunks (one at a time) instead of alone in its step."""
         if not 1 <= batch_cap <= slots:
             raise ValueError(f"batch_cap ({batch_cap}) must be between 1 and the {slots} KV slots")
         if chunk_tokens < 1:
             raise ValueError(f"prefill chunk must be >= 1 token, got {chunk_tokens}")
         self.batch_cap, self.chunk_tokens, self.long_cutoff = batch_cap, chunk_tokens, long_cutoff
+        self.gpus, self.beside_decode = gpus, beside_decode
         self.free: list[int] = list(range(slots))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # holding a slot (prefilling or decoding), in admission order
@@ -80,12 +99,21 @@ class Scheduler:
         self.admit()
         plan = StepPlan(decode=[r for r in self.running if r.state is State.decoding])
         budget = self.chunk_tokens
+        streaming = any(r.state is State.streaming for r in self.running)
         for req in self.running:
             if req.state is not State.prefilling or budget <= 0:
                 continue
+            if self.streamed(req) and self.beside_decode:
+                if not streaming:  # one stream at a time; the chunks behind it go on
+                    gpus = prefill_gpus(len(req.prompt), len(plan.decode), self.gpus, self.long_cutoff)
+                    plan.prefill.append(Chunk(req, req.prefilled, len(req.prompt), streamed=True, gpus=gpus,
+                                              beside=True))
+                    streaming = True
+                continue
             if self.streamed(req):
                 if not plan.prefill:  # alone in its step: the whole prompt through the streamed weights
-                    plan.prefill.append(Chunk(req, req.prefilled, len(req.prompt), streamed=True))
+                    gpus = prefill_gpus(len(req.prompt), len(plan.decode), self.gpus, self.long_cutoff)
+                    plan.prefill.append(Chunk(req, req.prefilled, len(req.prompt), streamed=True, gpus=gpus))
                 break
             end = min(len(req.prompt), (req.prefilled // self.chunk_tokens + 1) * self.chunk_tokens)
             if end - req.prefilled > budget:

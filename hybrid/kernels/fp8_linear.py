@@ -11,7 +11,8 @@ Activations stay BF16 either way (no activation quantisation). The Triton kernel
 activations and 128×128 blocks; anything else dequantises with torch ops, which also serves the CPU.
 
 On the CPU, `CpuFp8Gemm` (placement's choice with the native MoE backend) runs the native FP8 GEMM (csrc/gemm.cpp)
-over the stored FP8 bytes: no dequantised copy of the weights, one pass over them per call.
+over the stored FP8 bytes: no dequantised copy of the weights, one pass over them per call; BF16 weights (lm_head,
+the router) go through the same GEMM's BF16 path.
 
 Legend: M rows of x (tokens), N output features, K input features.
 """
@@ -113,6 +114,14 @@ class Fp8Gemm:
             return "triton"
         return "dequant"
 
+    def dense_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [..., K] through a BF16 weight w [N, K] (lm_head, BF16 checkpoints), in x's dtype."""
+        return F.linear(x, w.to(x.dtype))
+
+    def fp32_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x · wᵀ in FP32 arithmetic (the router's scores), FP32 out."""
+        return F.linear(x.float(), w.float())
+
     def linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block, out=None) -> torch.Tensor:
         """x [..., K] -> [..., N]; `out` (2-D [M, N], rows contiguous) receives it when given."""
         n, k = q.shape
@@ -163,13 +172,36 @@ class CpuFp8Gemm:
         m = x.numel() // k if k else 0
         if q.dtype != fp8.FP8 or self.path(x, block, m) != "native":
             return self.fallback.linear(x, q, scale, block, out=out)
+        y = self._native(x, q, scale)
+        if out is not None:
+            return out.copy_(y.view(out.shape))
+        return y.to(x.dtype)
+
+    def _bf16_native(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+
+    def dense_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The native BF16 GEMM for BF16 x and w on the CPU (FP32 accumulation, one rounding), else torch."""
+        if not self._bf16_native(x, w):
+            return self.fallback.dense_linear(x, w)
+        return self._native(x, w, None).to(x.dtype)
+
+    def fp32_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """For BF16 x and w on the CPU, the native BF16 GEMM: each product is exact in FP32 and the sums are
+        FP32, as torch's FP32 GEMM over the widened operands, without widening w at every call."""
+        if not self._bf16_native(x, w):
+            return self.fallback.fp32_linear(x, w)
+        return self._native(x, w, None)
+
+    def _native(self, x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [..., K] · wᵀ -> [..., N] FP32 on the native kernels."""
+        n, k = w.shape
+        m = x.numel() // k if k else 0
         x_MK = x.reshape(m, k)
         if x_MK.stride(1) != 1 or (m > 1 and x_MK.stride(0) < k):  # the kernel reads rows of K in place
             x_MK = x_MK.contiguous()
-        y_MN = cpu_gemm(x_MK, q, scale, kernel=self.kernel) if m else x.new_empty(0, n, dtype=torch.float32)
-        if out is not None:
-            return out.copy_(y_MN)
-        return y_MN.to(x.dtype).view(*x.shape[:-1], n)
+        y_MN = cpu_gemm(x_MK, w, scale, kernel=self.kernel) if m else x.new_empty(0, n, dtype=torch.float32)
+        return y_MN.view(*x.shape[:-1], n)
 
 
 def _check_layout(q: torch.Tensor, scale: torch.Tensor, block) -> None:
@@ -200,7 +232,7 @@ def stored_linear(x: torch.Tensor, w: torch.Tensor, scale, block, gemm: Fp8Gemm 
                   out=None) -> torch.Tensor:
     """x through a weight as checkpoints store it: BF16 (`block` None) or FP8 with block scales (through `gemm`)."""
     if block is None:
-        y = F.linear(x, w.to(x.dtype))
+        y = gemm.dense_linear(x, w)
         return out.copy_(y) if out is not None else y
     return gemm.linear(x, w, scale, block, out=out)
 

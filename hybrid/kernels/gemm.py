@@ -22,3 +22,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
 def set_tile_min_tokens(m: int) -> None:
     """From `m` tokens on, each FP8 weight tile is converted to BF16 once and reused (policy.cpu.gemm_tile_tokens)."""
     _native.set_tile_min_m(m)
+
+
+def set_amx_min_tokens(m: int) -> None:
+    """Variant amx: from `m` tokens on, an FP8 GEMM runs on AMX tiles (policy.cpu.amx_min_tokens)."""
+    _native.set_amx_min_m(m)

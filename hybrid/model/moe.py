@@ -4,10 +4,12 @@ Legend: T tokens, D hidden, E routed experts, G expert groups, K experts per tok
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from hybrid.kernels.fp8_linear import DEFAULT_GEMM, Fp8Gemm
 from hybrid.model.args import ModelArgs
 from hybrid.model.layers import MLP
 
@@ -15,9 +17,9 @@ from hybrid.model.layers import MLP
 class Router(nn.Module):
     """sigmoid scores; selection by score + bias within the best groups; weights are the unbiased scores."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, gemm: Fp8Gemm = DEFAULT_GEMM):
         super().__init__()
-        self.args = args
+        self.args, self.gemm = args, gemm  # the scores' FP32 GEMM: placement's choice for the device
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size, dtype=torch.bfloat16),
                                    requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.empty(args.n_routed_experts, dtype=torch.float32),
@@ -25,7 +27,7 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.args
-        scores_TE = F.linear(x_TD.float(), self.weight.float()).sigmoid()
+        scores_TE = self.gemm.fp32_linear(x_TD, self.weight).sigmoid()
         choice_TE = scores_TE + self.e_score_correction_bias.float()
         if a.n_group > 1:
             group_TG = choice_TE.view(-1, a.n_group, a.n_routed_experts // a.n_group).topk(2, dim=-1)[0].sum(-1)
@@ -82,9 +84,11 @@ class MoE(nn.Module):
         self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts,
                                   args.fp8_block)
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, experts: Optional[nn.Module] = None) -> torch.Tensor:
+        """experts: the routed experts for this call instead of the layer's own (RoutedExperts' `start`), e.g. a
+        prefill's experts streamed through the device while other calls go on using the layer's own."""
         x_TD = x_BSD.flatten(0, 1)
         weights_TK, ids_TK = self.gate(x_TD)
-        routed = self.experts.start(x_TD, weights_TK, ids_TK)
+        routed = (self.experts if experts is None else experts).start(x_TD, weights_TK, ids_TK)
         shared_TD = self.shared_experts(x_TD)
         return (routed.result() + shared_TD).view_as(x_BSD)

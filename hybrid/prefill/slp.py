@@ -34,6 +34,7 @@ from torch import nn
 from hybrid.model.moe import Done, MoE
 from hybrid.prefill.events import PairedEvent
 from hybrid.prefill.ring import Ring, expert_tensors, layout
+from hybrid.prefill.throttle import Throttle
 from hybrid.kernels.combine import combine
 from hybrid.kernels.fp8_linear import DEFAULT_GEMM, Fp8Gemm, dequantize, stored_linear
 
@@ -63,14 +64,18 @@ class Pipeline:
     experts' FP8 weights go through `gemm` (the loader's when None)."""
 
     def __init__(self, layers: list[HostExpertLayer], device: torch.device, ring_len: int, budget_bytes: float,
-                 group: int = 1, loader: Optional["StreamLoader"] = None, gemm: Optional[Fp8Gemm] = None):
+                 group: int = 1, loader: Optional["StreamLoader"] = None, gemm: Optional[Fp8Gemm] = None,
+                 throttle: Optional[Throttle] = None):
         self.loader = loader if loader is not None else StreamLoader()
+        self.throttle = throttle
+        self.experts: dict[int, nn.Module] = {}  # layer index -> StreamedExperts, for the model call (streaming)
         self.gemm = gemm if gemm is not None else self.loader.gemm
         self.layers, self.device, self.group = layers, device, max(1, group)
         self.group_sizes: list[int] = []  # experts per step of the model thread, in order
         # the model thread in the expert loops (after each layer's counts arrived): wall seconds, and its own CPU
         # seconds — near the wall time when the host's calls bound the loop; far below it when it waits (copies, GIL)
         self.expert_loop_s = self.expert_loop_cpu_s = 0.0
+        self.throttled_s = 0.0  # the loader held back by the throttle (prefill beside decode)
         self._group_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.n_experts = len(layers[0].host_experts)
         self.block = layers[0].host_experts[0].gate_proj.block
@@ -112,6 +117,8 @@ class Pipeline:
                     slot = self.ring.acquire((li, e), self.stop)
                     if slot is None:
                         return
+                    if self.throttle is not None:
+                        self.throttled_s += self.throttle.wait(self.ring.slot_bytes, self.stop)
                     if layer.arena is not None and layer.slot_bytes == self.ring.slot_bytes:  # one copy
                         src = layer.arena[e * layer.slot_bytes:(e + 1) * layer.slot_bytes]
                         self.ring.slot_memory(slot).copy_(src, non_blocking=True)
@@ -250,14 +257,15 @@ class Pipeline:
         for t in self.threads:
             t.join()
         if self.device.type == "cuda":  # the model's last reads of the ring have run: the next prefill may write
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()  # (not the device: decode may run beside)
         self.loader.keep_ring(self.ring)
         self._group_weights = None  # the group buffer goes back with the prefill
 
     def stats(self) -> dict:
         """What the prefill's expert loops measured: wall and model-thread CPU seconds, experts per step."""
         return {"expert_loop_s": self.expert_loop_s, "expert_loop_cpu_s": self.expert_loop_cpu_s,
-                "group_sizes": list(self.group_sizes)}
+                "group_sizes": list(self.group_sizes),
+                "throttled_s": self.throttled_s}
 
 
 class StreamLoader:
@@ -308,25 +316,24 @@ class StreamLoader:
 
     @contextlib.contextmanager
     def streaming(self, model: nn.Module, device: torch.device, ring_len: int, budget_bytes: float,
-                  group: int = 1, gemm: Optional[Fp8Gemm] = None) -> Iterator[Pipeline]:
-        """Within the block, the model's routed experts stream through the device (the model must have been placed
-        with experts on the CPU kernels); up to `group` experts already on the device are computed together;
-        `gemm` for this prefill instead of the loader's (benchmarks)."""
-        moes = [m for m in model.modules() if isinstance(m, MoE) and isinstance(m.experts, HostExpertLayer)]
+                  group: int = 1, gemm: Optional[Fp8Gemm] = None,
+                  throttle: Optional[Throttle] = None) -> Iterator[Pipeline]:
+        """A pipeline streaming the model's routed experts through the device (the model must have been placed with
+        experts on the CPU kernels); the model runs with them when called with `experts=pipe.experts` (the model
+        itself is not changed: decode may go on with its own experts meanwhile). Up to `group` experts already on
+        the device are computed together; `gemm` for this prefill instead of the loader's (benchmarks);
+        `throttle` paces the copies (prefill beside decode)."""
+        moes = {i: block.mlp for i, block in enumerate(model.model.layers)
+                if isinstance(block.mlp, MoE) and isinstance(block.mlp.experts, HostExpertLayer)}
         if not moes:
             raise ValueError("stream-loading prefill needs the routed experts placed on the CPU kernels")
-        saved = [m.experts for m in moes]
         switch = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         try:
-            with Pipeline(saved, device, ring_len, budget_bytes, group, self, gemm) as pipe:
-                try:
-                    for i, m in enumerate(moes):
-                        m.experts = StreamedExperts(pipe, i)
-                    yield pipe
-                finally:
-                    for m, experts in zip(moes, saved):
-                        m.experts = experts
+            with Pipeline([m.experts for m in moes.values()], device, ring_len, budget_bytes, group, self, gemm,
+                          throttle) as pipe:
+                pipe.experts = {i: StreamedExperts(pipe, j) for j, i in enumerate(moes)}
+                yield pipe
         finally:
             sys.setswitchinterval(switch)
 

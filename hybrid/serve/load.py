@@ -47,7 +47,7 @@ class Workload:
 
 
 @dataclass
-class _Result:
+class Result:
     prompt_tokens: int
     output_tokens: int
     ok: bool = False
@@ -69,8 +69,8 @@ def plan_requests(w: Workload, vocab_size: int) -> list[tuple[list[int], int]]:
     return out
 
 
-async def _one(client, model: str, prompt: list[int], max_tokens: int) -> _Result:
-    res = _Result(len(prompt), 0)
+async def _one(client, model: str, prompt: list[int], max_tokens: int) -> Result:
+    res = Result(len(prompt), 0)
     t0 = time.perf_counter()
     first = last = None
     try:
@@ -117,7 +117,7 @@ async def drive(w: Workload, base_url: str, model: Optional[str] = None, api_key
         t0 = time.perf_counter()
         if w.concurrency is not None:
             queue = list(reversed(todo))
-            results: list[_Result] = []
+            results: list[Result] = []
 
             async def worker() -> None:
                 while queue:
@@ -137,7 +137,7 @@ async def drive(w: Workload, base_url: str, model: Optional[str] = None, api_key
     return report(w, model, results, duration)
 
 
-def report(w: Workload, model: str, results: list[_Result], duration_s: float) -> dict:
+def report(w: Workload, model: str, results: list[Result], duration_s: float) -> dict:
     ok = [r for r in results if r.ok]
     good = [r for r in ok if r.ttft_s <= w.ttft_limit_s and r.tpot_s <= w.tpot_limit_s]
     out_tokens = sum(r.output_tokens for r in ok)

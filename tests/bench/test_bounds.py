@@ -143,3 +143,18 @@ def test_attention_flops_are_the_quadratic_part_of_the_prefill_count(tiny_model)
     assert bounds.attention_flops(a, 100) == a.num_hidden_layers * one_token * 100 * 101 / 2
     rest = [bounds.prefill_flops(a, n) - bounds.attention_flops(a, n) for n in (10, 20, 30)]
     assert rest[2] - rest[1] == pytest.approx(rest[1] - rest[0])  # what is left grows linearly with the prompt
+
+
+def test_two_gpu_prefill_bound_and_the_traffic_of_smallep_against_ep():
+    routed, flops = bounds.routed_bytes(V3), bounds.prefill_flops(V3, 32768)
+    transfer_bound = routed / (2 * 55e9)  # both GPUs' links: 654 GB over 2 x 55 GB/s
+    assert bounds.parallel_prefill_bound_seconds(routed, flops, 55.0, 1e9) == pytest.approx(transfer_bound)
+    assert bounds.parallel_prefill_bound_seconds(routed, flops, 1e9, 400.0) == pytest.approx(flops / 800e12)
+    assert bounds.parallel_prefill_bound_seconds(routed, flops, 55.0, 400.0, gpus=1) == \
+        bounds.prefill_bound_seconds(bounds.transfer_seconds(V3, 55.0), flops, 400.0)
+    with pytest.raises(ValueError, match="at least one"):
+        bounds.parallel_prefill_bound_seconds(routed, flops, 55.0, 400.0, gpus=0)
+    n, d = 32768, 7168
+    assert bounds.smallep_link_bytes(n, d) == n * d * 2, "half the tokens gathered + half the partials, BF16"
+    assert bounds.ep_link_bytes(n, d, 8) == 4 * n * d * 2, "N·A·D/S with A = 8, S = 2"
+    assert bounds.ep_link_bytes(n, d, 2) == bounds.smallep_link_bytes(n, d), "equal where top-k = GPUs"

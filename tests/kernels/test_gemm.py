@@ -204,9 +204,10 @@ def test_thread_count_does_not_change_results(variant):
 # ------------------------------------------------------------------------------------------------ dispatch
 
 def _problem():
+    """M = 20: past variant amx's default amx_min_tokens, so amx runs its tiles, not the AVX-512 kernel."""
     rng = rng_for("dispatch")
     w, s = weights(rng, 300, 1000, "fp8")
-    return bf16(rng, (3, 1000)), w, s
+    return bf16(rng, (20, 1000)), w, s
 
 
 def test_variants_differ_bitwise():
@@ -236,8 +237,9 @@ def test_force_by_argument_and_env(variant, monkeypatch):
 def test_auto_is_best(monkeypatch):
     monkeypatch.delenv(dispatch.ENV, raising=False)
     f = cpu_features()
-    needs = {"avx512_bf16": ["avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi"],
-             "avx2": ["avx2", "fma", "f16c"], "generic": []}
+    avx512 = ["avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi"]
+    needs = {"amx": avx512 + ["amx_tile", "amx_bf16"], "avx512_bf16": avx512, "avx2": ["avx2", "fma", "f16c"],
+             "generic": []}
     expected = next(v for v in dispatch.VARIANTS if all(f.get(n, False) for n in needs[v]))
     assert VARIANTS[0] == expected and "generic" in VARIANTS
     assert dispatch.selected() == dispatch.selected("auto") == expected

@@ -47,7 +47,7 @@ def test_slp_logits_equal_the_plain_forward(tiny_dir, ring_len, group):
     pos = torch.arange(40)[None]
     want = plain(tokens, pos)[0]
     with streaming(hybrid, CPU, ring_len, BIG, group) as pipe:
-        got = hybrid(tokens, pos)[0]
+        got = hybrid(tokens, pos, experts=pipe.experts)[0]
     assert (got - want).abs().max() <= 1e-5, f"ring_len {ring_len}"
     n_moe, n_exp = 2, 16
     writes = [x for x in pipe.ring.log if x[0] == "write"]
@@ -64,14 +64,14 @@ def test_a_ring_of_the_same_shape_is_reused_by_the_next_prefill(tiny_dir):
     rings = []
     for ring_len in (3, 3, 5):
         with loader.streaming(hybrid, CPU, ring_len, BIG) as pipe:
-            got = hybrid(tokens, pos)[0]
+            got = hybrid(tokens, pos, experts=pipe.experts)[0]
         assert (got - want).abs().max() <= 1e-5
         assert overwritten_before_off(pipe.ring.log) == [] and len(pipe.ring.log) == 2 * 2 * 16  # reset between
         rings.append(pipe.ring)
         assert loader.kept is pipe.ring and loader.kept_ring_bytes(CPU) == pipe.ring.memory.numel()
     assert rings[0] is rings[1] and rings[2] is not rings[1] and rings[2].ring_len == 5
     with other.streaming(hybrid, CPU, 5, BIG) as pipe:  # another loader keeps its own
-        hybrid(tokens, pos)
+        hybrid(tokens, pos, experts=pipe.experts)
     assert pipe.ring is not rings[2] and loader.kept is rings[2] and other.kept is pipe.ring
     with pytest.raises(ConfigError, match=r"policy\.prefill\.ring_len"):  # a kept ring never bypasses the budget
         loader.streaming(hybrid, CPU, 5, 4 * rings[2].slot_bytes).__enter__()
@@ -92,7 +92,7 @@ def test_a_kept_ring_counts_as_free_in_the_next_prefills_budget(tiny_dir, monkey
     rings = []
     for _ in range(3):
         with context(24) as pipe:
-            hybrid(tokens, pos)
+            hybrid(tokens, pos, experts=pipe.experts)
         rings.append(pipe.ring)
     assert rings[0].ring_len == 5 and all(r is rings[0] for r in rings)
 
@@ -136,7 +136,7 @@ def test_experts_in_a_slot_layout_arena_stream_in_one_copy_each(tiny_dir, block_
     want = plain(tokens, torch.arange(24)[None])[0]
     monkeypatch.setattr(torch.Tensor, "copy_", counting)
     with streaming(hybrid, CPU, 3, BIG) as pipe:
-        got = hybrid(tokens, torch.arange(24)[None])[0]
+        got = hybrid(tokens, torch.arange(24)[None], experts=pipe.experts)[0]
     monkeypatch.undo()
     assert pipe.fused == aligned, "gate and up read by one GEMM when their blocks line up"
     assert (got - want).abs().max() <= 1e-5
@@ -272,20 +272,22 @@ def test_no_slot_is_overwritten_before_off_even_when_the_model_is_slow(tiny_dir,
     monkeypatch.setattr(Pipeline, "take", slow_take)
     tokens = torch.randint(2, 320, (1, 12))
     with streaming(hybrid, CPU, 2, BIG) as pipe:
-        hybrid(tokens, torch.arange(12)[None])
+        hybrid(tokens, torch.arange(12)[None], experts=pipe.experts)
     assert overwritten_before_off(pipe.ring.log) == []
     # the checker itself catches a write into a slot still in use
     assert overwritten_before_off([("write", 0, "a"), ("write", 0, "b")]) == [(0, "a")]
 
 
-def test_experts_and_the_switch_interval_are_restored_after_streaming(tiny_dir):
+def test_streaming_leaves_the_model_alone_and_restores_the_switch_interval(tiny_dir):
+    """The streamed experts are handed to the model call, never put into the model: decode may run meanwhile."""
     _, hybrid = _models(tiny_dir)
-    before = [m.experts for m in hybrid.modules() if hasattr(m, "experts")]
+    before = [m.experts for m in hybrid.modules() if isinstance(m, MoE)]
     switch = sys.getswitchinterval()
-    with streaming(hybrid, CPU, 2, BIG):
-        assert all(isinstance(m.experts, StreamedExperts) for m in hybrid.modules() if hasattr(m, "experts"))
+    with streaming(hybrid, CPU, 2, BIG) as pipe:
+        assert before == [m.experts for m in hybrid.modules() if isinstance(m, MoE)]
+        assert sorted(pipe.experts) == [i for i, b in enumerate(hybrid.model.layers) if isinstance(b.mlp, MoE)]
+        assert all(isinstance(e, StreamedExperts) for e in pipe.experts.values())
         assert sys.getswitchinterval() == pytest.approx(slp.SWITCH_INTERVAL_S)
-    assert before == [m.experts for m in hybrid.modules() if hasattr(m, "experts")]
     assert sys.getswitchinterval() == switch
 
 
@@ -366,7 +368,7 @@ def test_slp_on_the_gpu_matches_the_plain_forward(tiny_dir):
     want = plain(tokens, torch.arange(40)[None])[0]
     for ring_len in (1, 2, 16):
         with streaming(hybrid, gpu, ring_len, BIG) as pipe:
-            got = hybrid(tokens.to(gpu), torch.arange(40, device=gpu)[None])[0].cpu()
+            got = hybrid(tokens.to(gpu), torch.arange(40, device=gpu)[None], experts=pipe.experts)[0].cpu()
         assert (got - want).abs().max() <= 1e-4, f"ring_len {ring_len}"
         assert overwritten_before_off(pipe.ring.log) == []
 
@@ -419,7 +421,7 @@ def test_a_chunked_slp_prefill_keeps_no_pipeline_alive(tiny_dir):
 
     stats = _engine(hybrid, long_prefill, cutoff=16, chunk=16).prefill(list(range(2, 45)))[1]
     gc.collect()
-    assert [sorted(x) for x in stats] == [["expert_loop_cpu_s", "expert_loop_s", "group_sizes"]] * 3
+    assert [sorted(x) for x in stats] == [["expert_loop_cpu_s", "expert_loop_s", "group_sizes", "throttled_s"]] * 3
     assert all(ref() is None for ref in pipes), "no pipeline outlives its chunk"
 
 

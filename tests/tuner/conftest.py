@@ -14,11 +14,14 @@ from hybrid.config.compose import CONF_DIR
 from tests.conftest import model_spec
 from tests.tuner.faulty_bench import FAULT_ENV, MODULE
 
-# Small trials: the tiny model, a short prompt, few tokens, one pass, no read-roof probe (a trial takes ~3-4 s,
-# mostly interpreter start-up).
-FAST = ["+hw=cpu_only", "model=tiny", "bench.prompt_tokens=16", "bench.new_tokens=4", "bench.repeats=1",
-        "bench.roof_gb=0"]
-# Trials through tests/tuner/faulty_bench.py: a fault injected where HYBRID_TEST_INJECT_FAULT says, else the bench.
+# Small trials: the tiny model, a small workload (and for decode_tok_s a short prompt, few tokens, one pass, no
+# read-roof probe). A trial worker starts in ~3-5 s (interpreter, imports, the model); a trial on it then takes ~1 s.
+FAST = ["+hw=cpu_only", "model=tiny", "workload.requests=4", "workload.prompt_tokens=[8,24]",
+        "workload.output_tokens=[2,6]", "workload.concurrency=2", "bench.prompt_tokens=16", "bench.new_tokens=4",
+        "bench.repeats=1", "bench.roof_gb=0"]
+# Only knobs the worker changes without loading the model again: one worker for the whole study.
+NO_RELOAD = ["~tuner.spaces.cpu_only.cpu.moe_backend", "~tuner.spaces.cpu_only.cpu.kernel"]
+# Trials through tests/tuner/faulty_bench.py: a fault injected where HYBRID_TEST_INJECT_FAULT says, else the worker.
 FAULTY = f"tuner.trial_module={MODULE}"
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,6 @@
-"""A crashing trial and one over its deadline are recorded as failed and the sweep goes on; every trial is an MLflow
-child run of the study's run (the shared tracking store of the session)."""
+"""A crashing trial and one over its deadline are recorded as failed (the trial worker started again after each)
+and the sweep goes on; every trial is an MLflow child run of the study's run (the shared tracking store of the
+session)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,17 +15,18 @@ def test_crash_and_deadline_fail_the_trial_not_the_sweep(conf, mlflow_runs, tmp_
     ensure_tiny(mlflow_runs)
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     env = env_for(conf, mlflow_runs, HYBRID_TRACKING="1", HYBRID_TEST_INJECT_FAULT="0:crash,1:hang")
-    # the deadline leaves a normal trial (python start-up, tiny model, MLflow logging: ~8 s here) ample margin on a
-    # loaded machine; the hung trial is killed when it passes
+    # the deadline leaves a normal trial (a worker's start-up, the tiny model, the workload: ~6 s here) ample margin
+    # on a loaded machine; the hung trial is killed when it passes
     p = tune(*FAST, FAULTY, "tuner.n_trials=3", f"tuner.storage={storage}", "tuner.study_name=failures",
-             "tuner.trial_timeout_s=25", "tracking.experiment=test-failures", "bench.roof_gb=0.05", env=env)
+             "tuner.trial_timeout_s=20", "tracking.experiment=test-failures", env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     trials = load(storage, "failures").get_trials()
     assert [t.state.name for t in trials] == ["FAIL", "FAIL", "COMPLETE"], p.stdout
     assert trials[0].user_attrs["failure"] == "crash" and "injected crash" in trials[0].user_attrs["detail"]
     assert trials[1].user_attrs["failure"] == "deadline"
     assert not alive(trials[1].user_attrs["pid"]), "the hung trial was killed"
-    assert trials[2].values[0] > 0 and trials[2].user_attrs["metrics"]["ttft_s"] > 0
+    assert trials[2].values[0] > 0 and trials[2].user_attrs["metrics"]["ttft_p90_s"] > 0
+    assert trials[2].user_attrs["model"] == "loaded", "a fresh worker after the deadline"
     assert "trial 0 FAIL" in p.stdout and "crash: RuntimeError" in p.stdout and "deadline" in p.stdout
     assert (conf / "policy" / "cpu_only.yaml").exists(), "the one complete trial becomes the policy"
 
@@ -40,16 +42,16 @@ def test_crash_and_deadline_fail_the_trial_not_the_sweep(conf, mlflow_runs, tmp_
     assert [children[n].info.status for n in (0, 1, 2)] == ["FAILED", "FAILED", "FINISHED"]
     assert children[1].data.tags["outcome"] == "deadline" and "policy.cpu.threads" in children[1].data.params
     ok = children[2]
-    assert {"ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s", "objective.decode_tok_s"} <= set(ok.data.metrics)
+    assert {"ttft_s", "ttft_p90_s", "tpot_p90_s", "goodput_req_s", "objective.goodput_req_s",
+            "trial.seconds"} <= set(ok.data.metrics)
     assert ok.data.params["hw.name"] == "cpu_only" and ok.data.params["model.name"] == "tiny"
     assert {"policy.cpu.threads", "policy.cpu.moe_backend", "hw.cpu.cores", "run.threads"} <= set(ok.data.params)
     files = {a.path for a in c.list_artifacts(ok.info.run_id)} | {a.path for a in c.list_artifacts(ok.info.run_id,
                                                                                                        "plots")}
-    assert {"config.yaml", "report.json", "plots/report_card.png", "plots/of_bound.png"} <= files, files
-    assert 0 < ok.data.metrics["decode_tok_s.of_bound"] < 1, "achieved ÷ bound"
+    assert {"config.yaml", "report.json", "plots/report_card.png", "trial-0002.log"} <= files, files
     config = Path(c.download_artifacts(ok.info.run_id, "config.yaml", str(tmp_path))).read_text()
-    assert "mode: bench" in config and "name: cpu_only" in config
+    assert "requests: 4" in config and "name: cpu_only" in config
     assert "threads" in yaml.safe_load(config)["policy"]["cpu"]
     plots = {a.path for a in c.list_artifacts(parent, "plots")}
-    assert {"plots/optimization_history.png", "plots/pareto_front.png"} <= plots, plots
+    assert {"plots/optimization_history.png", "plots/pareto_front.png", "plots/objective_vs_knobs.png"} <= plots
     assert "best_policy.yaml" in {a.path for a in c.list_artifacts(parent)}

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 
-from tests.tuner.conftest import FAST, FAULTY, alive, env_for, load, start_tuner, tune
+from tests.tuner.conftest import FAST, FAULTY, NO_RELOAD, alive, env_for, load, start_tuner, tune
 
 
 def test_killed_tuner_resumes_without_losing_trials(conf, tuner_runs, tmp_path):
     storage = f"sqlite:///{tmp_path / 'study.db'}"
-    args = [*FAST, FAULTY, "tuner.n_trials=2", f"tuner.storage={storage}", "tuner.study_name=resume",
+    args = [*FAST, *NO_RELOAD, FAULTY, "tuner.n_trials=2", f"tuner.storage={storage}", "tuner.study_name=resume",
             "tuner.heartbeat_s=1", "tuner.grace_s=2", "tuner.trial_timeout_s=120", "tuner.write_policy=false"]
     out = tmp_path / "first.log"
     proc = start_tuner(*args, env=env_for(conf, tuner_runs, HYBRID_TEST_INJECT_FAULT="1:hang"), out=out)
@@ -28,7 +28,7 @@ def test_killed_tuner_resumes_without_losing_trials(conf, tuner_runs, tmp_path):
     t0 = time.monotonic()
     while alive(hung.user_attrs["pid"]) and time.monotonic() - t0 < 10:
         time.sleep(0.1)
-    assert not alive(hung.user_attrs["pid"]), "the trial dies with its tuner"
+    assert not alive(hung.user_attrs["pid"]), "the trial worker dies with its tuner"
     time.sleep(3)  # past the grace period: the heartbeat of trial 1 is stale
 
     p = tune(*args, env=env_for(conf, tuner_runs))

@@ -1,11 +1,8 @@
-"""The tuner's parts, in-process and fast: the search space and its version, which overrides trials get, which
-trial wins, the written policy and the profile that selects it, a trial's subprocess and its deadline."""
+"""The tuner's parts, in-process and fast: the search space per kind of profile and its version, which knobs need
+a reload, the objectives, which overrides the trial worker gets, the written policy and the profile that selects
+it."""
 from __future__ import annotations
 
-import json
-import os
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,21 +10,21 @@ from hydra import compose, initialize_config_dir
 
 from hybrid.config.compose import to_settings
 from hybrid.config.schema import PolicyConfig, register as register_engine
-from tests.tuner.conftest import alive
+from hybrid.engine.build import REBUILDABLE
 from tuner import policy, space as sp, trial
 from tuner.config import TuneConfig, flat_params, register as register_tuner
-from tuner.select import knee, pareto_front
-from tuner.study import counted, trial_overrides
+from tuner.select import pareto_front
+from tuner.study import counted, spread, trial_overrides
 
 
 @pytest.fixture
 def tune_cfg(conf):
     """Compose conf/tune.yaml like `python -m tuner` (with the tuner's schema), then give the engine its own back."""
-    def make(*overrides: str) -> TuneConfig:
+    def make(*overrides: str, hw: str = "cpu_only") -> TuneConfig:
         register_tuner()
         try:
             with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-                return to_settings(compose(config_name="tune", overrides=["+hw=cpu_only", *overrides]))
+                return to_settings(compose(config_name="tune", overrides=[f"+hw={hw}", *overrides]))
         finally:
             register_engine()
     return make
@@ -45,7 +42,7 @@ def test_space_from_conf_resolved_for_the_machine(tune_cfg):
     cfg = tune_cfg()
     assert isinstance(cfg, TuneConfig) and cfg.bench.name == "slo" and cfg.hw.name == "cpu_only"
     assert cfg.policy == PolicyConfig(), "the engine's values survive the tuner's schema"
-    space = sp.resolve(cfg, cores=4, kernels=["avx2", "generic"])
+    space = sp.resolve(cfg, False, cores=4, kernels=["avx2", "generic"])
     assert space["cpu.threads"] == {"type": "int", "low": 1, "high": 4, "log": False}
     assert space["cpu.kernel"]["choices"] == [None, "avx2", "generic"]  # avx512_bf16 dropped: this CPU lacks it
     assert space["cpu.gemm_tile_tokens"]["choices"] == [8, 16, 32, 64, 128]
@@ -54,40 +51,47 @@ def test_space_from_conf_resolved_for_the_machine(tune_cfg):
 
 def test_space_overridable_and_versioned(tune_cfg):
     base = tune_cfg()
-    s0 = sp.resolve(base, 2, ["avx2"])
+    s0 = sp.resolve(base, False, 2, ["avx2"])
     name0 = sp.study_name(base, s0)
-    assert name0.startswith("cpu_only-tiny-constrained-v")
-    narrowed = tune_cfg("tuner.space.cpu.gemm_tile_tokens.choices=[16,64]", "~tuner.space.cpu.moe_backend",
-                        "tuner.space.cpu.threads.high=4")
-    s1 = sp.resolve(narrowed, 2, ["avx2"])
+    assert name0.startswith("cpu_only-tiny-goodput-v")
+    narrowed = tune_cfg("tuner.spaces.cpu_only.cpu.gemm_tile_tokens.choices=[16,64]",
+                        "~tuner.spaces.cpu_only.cpu.moe_backend", "tuner.spaces.cpu_only.cpu.threads.high=4")
+    s1 = sp.resolve(narrowed, False, 2, ["avx2"])
     assert s1["cpu.gemm_tile_tokens"]["choices"] == [16, 64] and "cpu.moe_backend" not in s1
     assert s1["cpu.threads"]["high"] == 4
     assert sp.study_name(narrowed, s1) != name0, "another space is another study"
     pareto = tune_cfg("tuner.objective=pareto")
     assert sp.directions(pareto) == ["minimize", "minimize"]
     assert sp.study_name(pareto, s0).startswith("cpu_only-tiny-pareto-v") and sp.study_name(pareto, s0) != name0
-    assert sp.study_name(tune_cfg("bench.new_tokens=8"), s0) != name0, "other bench sizes are other measurements"
+    assert sp.study_name(tune_cfg("workload.requests=8"), s0) != name0, "another load is another measurement"
+    assert sp.study_name(tune_cfg("bench.new_tokens=8"), s0) == name0, "the workload's study ignores bench=slo"
+    slo = tune_cfg("tuner.objective=decode_tok_s")
+    assert sp.study_name(tune_cfg("tuner.objective=decode_tok_s", "bench.new_tokens=8"), s0) != \
+        sp.study_name(slo, s0), "other bench sizes are other measurements"
     assert sp.study_name(tune_cfg("tuner.n_trials=99"), s0) == name0, "more trials: the same study"
+    assert sp.study_name(tune_cfg("tuner.sampler=grid"), s0).startswith("cpu_only-tiny-goodput-grid-v")
 
 
 def test_space_rejects_what_is_not_a_knob(tune_cfg):
-    for bad in ("+tuner.space.nope={type:int,low:1,high:2}", "+tuner.space.cpu.nope={type:int,low:1,high:2}",
-                "+tuner.space.cpu_threads={type:int,low:1,high:2}"):  # the flat name of before
+    for bad in ("+tuner.spaces.gpu.nope={type:int,low:1,high:2}",
+                "+tuner.spaces.cpu_only.cpu.nope={type:int,low:1,high:2}",
+                "+tuner.spaces.cpu_only.cpu_threads={type:int,low:1,high:2}"):  # the flat name of before
         with pytest.raises(Exception, match="not a policy knob"):
             tune_cfg(bad)
 
 
 def test_space_knobs_join_by_path(tune_cfg):
-    cfg = tune_cfg("+tuner.space.prefill.ring_len={type: categorical, choices: [16, 64]}",
-                   "+tuner.space.kv.max_batch={type: int, low: 6, high: 8}")
-    space = sp.resolve(cfg, 2, ["avx2"])
+    cfg = tune_cfg("+tuner.spaces.cpu_only.prefill.ring_len={type: categorical, choices: [16, 64]}",
+                   "+tuner.spaces.cpu_only.kv.max_batch={type: int, low: 6, high: 8}")
+    space = sp.resolve(cfg, False, 2, ["avx2"])
     assert space["prefill.ring_len"]["choices"] == [16, 64] and space["kv.max_batch"]["high"] == 8
-    assert trial.command([], {"prefill.ring_len": "16"})[-1] == "policy.prefill.ring_len=16"
+    assert sp.reload_knobs(cfg, False, REBUILDABLE) == {"cpu.kernel", "cpu.moe_backend", "kv.max_batch"}, \
+        "untagged: as the engine says"
 
 
 def test_warm_start_is_the_current_policy(tune_cfg):
     cfg = tune_cfg("policy.cpu.gemm_tile_tokens=16", "policy.cpu.moe_backend=torch")
-    space = sp.resolve(cfg, 2, ["avx512_bf16", "avx2", "generic"])
+    space = sp.resolve(cfg, False, 2, ["avx512_bf16", "avx2", "generic"])
     assert sp.warm_start(cfg, space, cores=2) == {"cpu.threads": 2, "cpu.gemm_tile_tokens": 16,
                                                   "cpu.moe_backend": "torch", "cpu.kernel": None}
     cfg = tune_cfg("policy.cpu.gemm_tile_tokens=7")  # outside the space: left to the sampler
@@ -95,24 +99,25 @@ def test_warm_start_is_the_current_policy(tune_cfg):
 
 
 def test_null_is_a_choice(tune_cfg):
-    cfg = tune_cfg("+tuner.space.prefill.slp_group_experts={type: categorical, choices: [null, 1, 16]}",
-                   "+tuner.space.prefill.ring_len={type: int, low: 2, high: 64}",
+    cfg = tune_cfg("+tuner.spaces.cpu_only.prefill.slp_group_experts={type: categorical, choices: [null, 1, 16]}",
+                   "+tuner.spaces.cpu_only.prefill.ring_len={type: int, low: 2, high: 64}",
                    "policy.prefill.slp_group_experts=16")
-    space = sp.resolve(cfg, 2, ["avx2"])
+    space = sp.resolve(cfg, False, 2, ["avx2"])
     start = sp.warm_start(cfg, space, cores=2)
     assert start["prefill.slp_group_experts"] == 16
     assert "prefill.ring_len" not in start, "null (auto) lies in no int range: left to the sampler"
-    assert sp.warm_start(tune_cfg("+tuner.space.prefill.slp_group_experts={type: categorical, choices: [null, 16]}"),
-                         space, cores=2)["prefill.slp_group_experts"] is None
-    cfg = tune_cfg("+tuner.space.prefill.ring_len={type: int, low: 2, high: 64}", "policy.prefill.ring_len=8")
-    assert sp.warm_start(cfg, sp.resolve(cfg, 2, ["avx2"]), cores=2)["prefill.ring_len"] == 8
+    assert sp.warm_start(tune_cfg("+tuner.spaces.cpu_only.prefill.slp_group_experts={type: categorical, "
+                                  "choices: [null, 16]}"), space, cores=2)["prefill.slp_group_experts"] is None
+    cfg = tune_cfg("+tuner.spaces.cpu_only.prefill.ring_len={type: int, low: 2, high: 64}",
+                   "policy.prefill.ring_len=8")
+    assert sp.warm_start(cfg, sp.resolve(cfg, False, 2, ["avx2"]), cores=2)["prefill.ring_len"] == 8
     assert sp.as_override_value(None) == "null"
     assert policy.checked(PolicyConfig(), {"cpu.kernel": None, "prefill.ring_len": 8}).prefill.ring_len == 8
 
 
 def test_enqueued_trials_nested_or_by_path(tune_cfg):
     cfg = tune_cfg("tuner.enqueue=[{cpu: {threads: 2, kernel: null}}, {cpu.gemm_tile_tokens: 16}]")
-    space = sp.resolve(cfg, 2, ["avx2"])
+    space = sp.resolve(cfg, False, 2, ["avx2"])
     assert [sp.in_space(flat_params(e), space) for e in cfg.tuner.enqueue] == [
         {"cpu.threads": 2, "cpu.kernel": None}, {"cpu.gemm_tile_tokens": 16}]
 
@@ -123,27 +128,24 @@ def test_trials_get_the_users_overrides_but_not_the_tuners():
                            "policy.kv.max_batch=4", "tracking.enabled=false"], {"cpu.threads": {}})
     assert got == ["+hw=cpu_only", "model=tiny", "bench.new_tokens=8", "policy.kv.max_batch=4",
                    "tracking.enabled=false"]
-    cmd = trial.command(got, {"cpu.threads": "2", "cpu.kernel": sp.as_override_value(None)})
-    assert cmd[1:6] == ["-m", "hybrid", "mode=bench", "bench=slo", "output=json"]
-    assert cmd[-2:] == ["policy.cpu.threads=2", "policy.cpu.kernel=null"]
+    assert trial.command("tuner.worker", got)[1:4] == ["-m", "tuner.worker", "+hw=cpu_only"]
+    assert sp.as_override_value(None) == "null" and sp.as_override_value(True) == "true"
 
 
 def test_trial_module_is_configurable_and_checked(tune_cfg):
-    assert tune_cfg().tuner.trial_module == "hybrid"
+    assert tune_cfg().tuner.trial_module == "tuner.worker"
     cfg = tune_cfg("tuner.trial_module=tests.tuner.faulty_bench")
-    cmd = trial.command([], {}, cfg.tuner.trial_module)
-    assert cmd[1:4] == ["-m", "tests.tuner.faulty_bench", "mode=bench"]
+    assert trial.command(cfg.tuner.trial_module, ["model=tiny"])[1:4] == ["-m", "tests.tuner.faulty_bench",
+                                                                          "model=tiny"]
     with pytest.raises(Exception, match="tuner.trial_module must be a module name"):
         tune_cfg("tuner.trial_module='hybrid; rm'")
 
 
 # ---------------------------------------------------------------------------------------------------- selection
 
-def test_pareto_front_and_knee():
+def test_pareto_front():
     pts = [(0, 1.0, 9.0), (1, 2.0, 2.0), (2, 9.0, 1.0), (3, 3.0, 3.0), (4, 2.0, 2.5)]
     assert pareto_front(pts) == {0, 1, 2}
-    assert knee([(n, (a, b)) for n, a, b in pts if n in {0, 1, 2}], ["minimize", "minimize"]) == 1
-    assert knee([(0, (5.0,)), (1, (7.0,))], ["maximize"]) == 1
 
 
 def test_counted_trials():
@@ -191,38 +193,45 @@ def test_policy_checked_by_the_schema():
         policy.checked(PolicyConfig(), {"cpu_threads": 2})
 
 
-# -------------------------------------------------------------------------------------------------- a trial run
+# ------------------------------------------------------------------------------------------- spaces, objectives
 
-def _py(code: str) -> list[str]:
-    return [sys.executable, "-c", code]
+def test_a_gpu_profile_gets_the_gpu_space(tune_cfg):
+    gpu, cpu = tune_cfg(hw="h200_xeon16"), tune_cfg()
+    assert bool(gpu.hw.gpus) and not cpu.hw.gpus
+    space = sp.resolve(gpu, bool(gpu.hw.gpus), cores=16, kernels=["avx512_bf16", "avx2", "generic"])
+    assert set(space) == {"prefill.slp_cutoff_tokens", "prefill.ring_len", "prefill.chunk_tokens",
+                          "prefill.slp_group_experts", "decode.batch_cap", "decode.cuda_graphs",
+                          "gpu.experts_per_layer", "cpu.threads"}
+    assert space["cpu.threads"]["high"] == 16 and space["decode.batch_cap"]["high"] <= gpu.policy.kv.max_batch
+    assert sp.reload_knobs(gpu, True, REBUILDABLE) == set(), "a GPU trial never reloads the model"
+    assert set(sp.resolve(cpu, bool(cpu.hw.gpus), 2, ["avx2"])) == {"cpu.threads", "cpu.gemm_tile_tokens",
+                                                                     "cpu.moe_backend", "cpu.kernel"}
+    assert sp.reload_knobs(cpu, False, REBUILDABLE) == {"cpu.kernel", "cpu.moe_backend"}
+    bad = tune_cfg("tuner.spaces.cpu_only.cpu.kernel.reload=false")
+    with pytest.raises(Exception, match="cannot change it without placing the model again"):
+        sp.reload_knobs(bad, False, REBUILDABLE)
+    with pytest.raises(Exception, match="one space per kind"):
+        tune_cfg("+tuner.spaces.tpu={}")
 
 
-def test_trial_outcomes(tmp_path):
-    records = {"records": [{"name": "ttft_s", "value": 0.5, "unit": "s"},
-                           {"name": "decode_tok_s", "value": 10.0, "unit": "tok/s", "bound": 20.0,
-                            "fraction_of_bound": 0.5}]}
-    ok = trial.run(_py(f"print('noise'); print({json.dumps(json.dumps(records))})"), dict(os.environ), 30, tmp_path / "ok.log")
-    assert ok.status == "ok" and ok.metrics == {"ttft_s": 0.5, "decode_tok_s": 10.0, "decode_tok_s.of_bound": 0.5}
-    crash = trial.run(_py("import sys; sys.exit('error: bad knob')"), dict(os.environ), 30, tmp_path / "crash.log")
-    assert crash.status == "crash" and crash.returncode == 1 and trial.reason(crash.detail) == "error: bad knob"
-    oom = trial.run(_py("raise MemoryError('x')"), dict(os.environ), 30, tmp_path / "oom.log")
-    assert oom.status == "oom"
-    silent = trial.run(_py("pass"), dict(os.environ), 30, tmp_path / "silent.log")
-    assert silent.status == "crash" and "without records" in silent.detail
+def test_objectives(tune_cfg):
+    assert (sp.objective_metrics(tune_cfg()), sp.directions(tune_cfg())) == (["goodput_req_s"], ["maximize"])
+    assert sp.limits(tune_cfg()) == {"errors": 0.0}, "a failed request makes a workload trial infeasible"
+    ttft = tune_cfg("tuner.objective=ttft_p90", "workload.tpot_limit_s=0.05", "+tuner.limits.e2e_p90_s=9")
+    assert sp.directions(ttft) == ["minimize"] and sp.limits(ttft) == {"errors": 0.0, "tpot_p90_s": 0.05,
+                                                                       "e2e_p90_s": 9.0}
+    pareto = tune_cfg("tuner.objective=pareto")
+    assert sp.objective_metrics(pareto) == ["ttft_p90_s", "tpot_p90_s"]
+    slo = tune_cfg("tuner.objective=decode_tok_s")
+    assert slo.tuner.goal.measure == "slo" and sp.limits(slo) == {}
+    assert sp.measured(slo) == {"bench": {"name": "slo", "prompt_tokens": 256, "new_tokens": 32, "batch": 1}}
+    assert sp.measured(pareto)["workload"]["name"] == "chat"
 
 
-def test_trial_deadline_kills_the_process_group(tmp_path):
-    pids = tmp_path / "pids"
-    code = ("import os, subprocess, time\n"
-            "child = subprocess.Popen(['sleep', '120'])\n"
-            f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
-            "time.sleep(120)\n")
-    t0 = time.monotonic()
-    out = trial.run(_py(code), dict(os.environ), 2.0, tmp_path / "t.log")
-    assert out.status == "deadline" and time.monotonic() - t0 < 20
-    leader, child = map(int, pids.read_text().split())
-    assert leader == out.pid
-    deadline = time.monotonic() + 5
-    while (alive(leader) or alive(child)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(leader) and not alive(child), "the trial's whole process group is gone"
+def test_grid_and_crossover_lengths(tune_cfg):
+    cfg = tune_cfg("tuner.sampler=grid", "tuner.spaces.cpu_only.cpu.threads.high=3",
+                   "tuner.spaces.cpu_only.cpu.gemm_tile_tokens.choices=[8,64]")
+    space = sp.resolve(cfg, False, 2, ["avx2"])
+    grid = sp.grid(space)
+    assert grid["cpu.threads"] == [1, 2, 3] and grid["cpu.gemm_tile_tokens"] == [8, 64]
+    assert spread(32, 256, 5) == [32, 54, 91, 152, 256] and spread(64, 64, 5) == [64]

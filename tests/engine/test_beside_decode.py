@@ -1,0 +1,202 @@
+"""A long prompt's stream-loading prefill beside decode (policy.prefill.beside_decode), on the CPU stand-in device:
+the running requests keep decoding while it streams, every request's greedy tokens equal its solo tokens, an abort
+or a failure of the streamed prompt touches nothing else, and the stream is paced while requests decode."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from hybrid.engine.build import slot_bytes
+from hybrid.engine.engine import Engine
+from hybrid.engine.placement import experts_to_cpu_kernels
+from hybrid.engine.plan import Plan
+from hybrid.engine.requests import FinishReason, SamplingParams
+from hybrid.errors import ConfigError
+from hybrid.prefill.slp import Pipeline, StreamLoader
+from hybrid.prefill.throttle import Throttle
+from hybrid.weights.checkpoint import Checkpoint
+from hybrid.weights.loader import load_model
+
+CPU = torch.device("cpu")
+BIG = 1e12
+CUTOFF = 16  # prompts longer than this are stream-loaded
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_dir):
+    model = load_model(Checkpoint(tiny_dir), torch.float32, progress=False)
+    experts_to_cpu_kernels(model)
+    return model
+
+
+def _engine(model, beside: bool = True, cap: float | None = None, budget: float = BIG, context: int = 96) -> Engine:
+    loader = StreamLoader()
+
+    def long_prefill(tokens, throttle=None, **_):
+        return loader.streaming(model, CPU, 2, budget, throttle=throttle)
+
+    plan = Plan(max_batch=3, max_context=context, batch_cap=3, prefill_chunk_tokens=8, slp_cutoff_tokens=CUTOFF,
+                prefill_beside_decode=beside, stream_cap_bytes_s=cap)
+    return Engine(model, plan, long_prefill=long_prefill)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def _run(engine: Engine, arrivals: dict[int, list], steps: int = 2000):
+    """Steps the engine, adding (prompt, params) at the given steps; returns id -> [tokens, reason, error,
+    steps at which it got tokens]."""
+    got = {}
+    for step in range(steps):
+        for prompt, params in arrivals.get(step, []):
+            got[engine.add_request(prompt, params)] = [[], None, "", []]
+        for out in engine.step():
+            got[out.id][0] += out.new_token_ids
+            if out.new_token_ids:
+                got[out.id][3].append(step)
+            if out.finished:
+                got[out.id][1], got[out.id][2] = out.finish_reason, out.error
+        if step >= max(arrivals) and not engine.has_work():
+            return got
+    raise AssertionError("requests left unfinished")
+
+
+@pytest.fixture
+def slow_stream(monkeypatch):
+    """Each streamed expert waits 15 ms before the model computes it: a prefill that outlasts several steps."""
+    real = Pipeline.take
+
+    def take(self, layer, expert):
+        time.sleep(0.015)
+        return real(self, layer, expert)
+
+    monkeypatch.setattr(Pipeline, "take", take)
+
+
+def test_decode_goes_on_while_a_long_prompt_streams_and_tokens_equal_solo(hybrid, slow_stream):
+    short, long_, late = (_prompt(10, 1), _greedy(40)), (_prompt(40, 2), _greedy(6)), (_prompt(12, 3), _greedy(8))
+    got = _run(_engine(hybrid), {0: [short], 3: [long_], 4: [late]})
+    ids = sorted(got)
+    for rid, (prompt, params) in zip(ids, (short, long_, late)):
+        solo = _engine(hybrid).generate([prompt], params)[0].output_ids
+        held = _engine(hybrid, beside=False).generate([prompt], params)[0].output_ids
+        assert got[rid][0] == solo == held, f"request {rid} changed by its batch mates or by the path"
+        assert got[rid][1] is FinishReason.length
+    first_long = got[ids[1]][3][0]
+    during = [s for s in got[ids[0]][3] if 3 <= s < first_long]
+    # 2 MoE layers x 16 experts x 15 ms ~ 0.5 s of streaming: the short request decodes right through it, and the
+    # late short prompt (behind the long one in arrival order) gets its chunks and tokens meanwhile
+    assert len(during) >= 5, f"the running request made {len(during)} steps of progress during the prefill"
+    assert got[ids[2]][3][0] < first_long, "the prompt behind the streamed one waited for it"
+
+
+def test_held_decode_makes_no_progress_while_a_long_prompt_streams(hybrid, slow_stream):
+    """The same arrivals with beside_decode off: the prefill takes one step and decode waits for it (the contrast
+    the test above relies on)."""
+    got = _run(_engine(hybrid, beside=False), {0: [(_prompt(10, 1), _greedy(20))], 3: [(_prompt(40, 2), _greedy(4))]})
+    ids = sorted(got)
+    first_long = got[ids[1]][3][0]
+    assert [s for s in got[ids[0]][3] if 3 <= s < first_long] == []
+
+
+def test_aborting_the_streamed_prompt_frees_its_slot_for_the_next_request(hybrid, slow_stream):
+    engine = _engine(hybrid)
+    a = engine.add_request(_prompt(10, 1), _greedy(30))
+    engine.step()
+    b = engine.add_request(_prompt(40, 2), _greedy(5))
+    engine.step()  # b streams now
+    engine.abort(b)
+    outs, t0 = {}, time.monotonic()
+    while engine.has_work() and time.monotonic() - t0 < 60:
+        for o in engine.step():
+            outs.setdefault(o.id, []).append(o)
+    assert outs[b][-1].finish_reason is FinishReason.abort and not outs[b][-1].new_token_ids
+    assert outs[a][-1].finish_reason is FinishReason.length
+    assert sum(len(o.new_token_ids) for o in outs[a]) + 1 >= 30  # the first token came in the first step
+    engine.add_request(_prompt(40, 4), _greedy(3))  # into the freed slot, streamed in turn
+    tokens = []
+    while engine.has_work():
+        for o in engine.step():
+            tokens += o.new_token_ids
+    assert tokens == _engine(hybrid).generate([_prompt(40, 4)], _greedy(3))[0].output_ids
+
+
+def test_a_failing_streamed_prefill_fails_its_request_alone(hybrid):
+    engine = _engine(hybrid, budget=1000)  # too small for a 2-slot ring: the stream refuses to start
+    short, long_ = (_prompt(10, 1), _greedy(12)), (_prompt(40, 2), _greedy(4))
+    got = _run(engine, {0: [short], 2: [long_]})
+    ids = sorted(got)
+    assert got[ids[1]][1] is FinishReason.error and "policy.prefill.ring_len" in got[ids[1]][2]
+    assert got[ids[0]][1] is FinishReason.length
+    assert got[ids[0]][0] == _engine(hybrid).generate([short[0]], short[1])[0].output_ids
+    with pytest.raises(ConfigError):  # the same refusal, on the engine's own thread
+        _engine(hybrid, budget=1000).prefill(long_[0])
+
+
+def test_the_stream_is_paced_while_requests_decode_and_not_when_none_does(hybrid):
+    cap = slot_bytes(hybrid) / 0.02  # one expert per 20 ms: 32 experts ~ 0.6 s
+    prompt = _prompt(40, 2)
+
+    def ttft(with_decode: bool) -> float:
+        engine = _engine(hybrid, cap=cap, context=2000)
+        if with_decode:  # decoding all through the stream (1,900 steps)
+            engine.add_request(_prompt(10, 1), _greedy(1900))
+            engine.step()
+        rid, t0 = engine.add_request(prompt, _greedy(1)), time.perf_counter()
+        while True:
+            for o in engine.step():
+                if o.id == rid and o.new_token_ids:
+                    return time.perf_counter() - t0
+
+    paced, free = ttft(True), ttft(False)
+    assert paced >= 0.5, f"the paced stream took {paced:.2f} s for 32 experts at one per 20 ms"
+    assert free < paced / 2, f"nothing decoding, yet the stream was paced ({free:.2f} s vs {paced:.2f} s)"
+
+
+def test_throttle_paces_announced_copies():
+    now = [0.0]
+    t = Throttle(1e9, clock=lambda: now[0])
+    assert [t.delay(100_000_000) for _ in range(3)] == pytest.approx([0.0, 0.1, 0.2])
+    now[0] = 1.0  # idle a while: no credit is banked beyond the pace
+    assert t.delay(100_000_000) == 0.0 and t.delay(100_000_000) == pytest.approx(0.1)
+    t.set_rate(None)
+    assert t.delay(10**12) == 0.0 and t.rate is None
+    with pytest.raises(ValueError, match="> 0"):
+        t.set_rate(0)
+    stop = threading.Event()
+    stop.set()
+    t.set_rate(1.0)
+    t0 = time.monotonic()
+    assert t.wait(10, stop) == 0.0 and t.wait(10, stop) == pytest.approx(10.0)  # the second would wait 10 s...
+    assert time.monotonic() - t0 < 1  # ...but the stop ends it
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_gpu_prefill_beside_graphed_decode_keeps_solo_tokens(cap):
+    """On a GPU, under CUDA graphs: a long prompt streamed on its own thread and stream while two requests decode
+    (one of them arriving during the stream); every request's greedy tokens equal its tokens alone."""
+    from hybrid.config.compose import compose, to_settings
+    from hybrid.engine.build import build
+
+    overrides = ["+hw=h200_xeon16", "policy.adapt_to_hardware=true", "model.dtype=float32",
+                 "policy.decode.cuda_graphs=hostfn", "policy.kv.max_batch=3", "policy.decode.batch_cap=3",
+                 "policy.kv.max_context=512", "policy.prefill.slp_cutoff_tokens=32", "policy.prefill.beside_decode=true"]
+    if cap is not None:
+        overrides.append(f"policy.prefill.stream_cap_gbps={cap}")
+    s = to_settings(compose(overrides))
+    engine = build(s, s.hw, progress=False)
+    v = engine.model.args.vocab_size
+    p = [torch.randint(2, v, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 200, 12)]
+    got = _run(engine, {0: [(p[0], _greedy(60))], 2: [(p[1], _greedy(10))], 3: [(p[2], _greedy(20))]})
+    for rid, (prompt, n) in zip(sorted(got), ((p[0], 60), (p[1], 10), (p[2], 20))):
+        assert got[rid][1] is FinishReason.length, got[rid][2]
+        assert got[rid][0] == engine.generate([prompt], _greedy(n))[0].output_ids, f"request {rid}"
