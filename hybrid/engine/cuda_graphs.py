@@ -185,7 +185,9 @@ class GraphedDecode:
         staging.reserve(max_batch)
 
     def __call__(self, tokens_B1: torch.Tensor, pos_B1: torch.Tensor, slots_B: torch.Tensor,
-                 kv_len: int) -> torch.Tensor:
+                 kv_len: int, capture: bool = True) -> torch.Tensor:
+        """One decode step, replaying the graph of its shape; a shape not captured yet is captured first, or with
+        `capture` False (another thread is using the GPU: a capture would catch its calls) runs eagerly this time."""
         b = tokens_B1.shape[0]
         key = (b, kv_bucket(kv_len, self.cache.max_context))
         tokens, pos, slots = self._inputs(b)
@@ -195,6 +197,8 @@ class GraphedDecode:
         if key in self.eager:
             return self._run(b, kv_len)
         graph = self.graphs.get(key)
+        if graph is None and not capture:
+            return self._run(b, kv_len)
         if graph is None:
             try:
                 graph = self._capture(*key)

@@ -34,8 +34,9 @@ from hybrid.model.transformer import Transformer
 from hybrid.prefill.throttle import Throttle
 from hybrid.tokenizer import Tokenizer
 
-# decode(tokens_B1, pos_B1, slots_B, kv_len) -> logits_BV: eager, or replayed CUDA graphs
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# decode(tokens_B1, pos_B1, slots_B, kv_len, capture=True) -> logits_BV: eager, or replayed CUDA graphs (capture:
+# a graph not made yet may be captured now; False while another thread uses the GPU)
+DecodeFn = Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -251,7 +252,8 @@ class Engine:
         try:
             logits = self._decode(torch.tensor([[r.output[-1]] for r in live], device=dev),
                                   torch.tensor([[p] for p in positions], device=dev),
-                                  torch.tensor([r.slot for r in live], device=dev), max(positions) + 1)
+                                  torch.tensor([r.slot for r in live], device=dev), max(positions) + 1,
+                                  capture=self._beside is None)
             tokens = choose(logits, [self._samplers[r.id] for r in live])
         except Exception as e:  # the batch's requests fail together; the engine goes on
             self._fail(live, e, changed)
@@ -262,7 +264,7 @@ class Engine:
             else:
                 self._append(req, token, changed)
 
-    def _eager_decode(self, tokens_B1, pos_B1, slots_B, kv_len: int) -> torch.Tensor:
+    def _eager_decode(self, tokens_B1, pos_B1, slots_B, kv_len: int, capture: bool = True) -> torch.Tensor:
         return self.model(tokens_B1, pos_B1, self.cache, slots_B, kv_len=kv_len)[:, -1]
 
     # -- probes: benchmarks and warm-up, outside the scheduler ------------------------------------------------

@@ -196,7 +196,7 @@ def test_an_engine_error_fails_its_requests_and_the_engine_goes_on(tiny_model):
     v = tiny_model.args.vocab_size
     calls = {"n": 0}
 
-    def flaky(tokens, pos, slots, kv_len):
+    def flaky(tokens, pos, slots, kv_len, capture=True):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected")
