@@ -18,10 +18,9 @@ from hybrid.config.schema import CpuPolicy
 from hybrid.kernels import dispatch
 from hybrid.kernels.gemm import gemm, set_amx_min_tokens
 from hybrid.kernels.moe import CpuMoE
-from hybrid.kernels.thread_pool import set_threads, threads
-from tests.kernels.common import FP8, VALID_CODES, bf16, dense64, rel_errors, rng_for, seed_note
-from tests.kernels.test_gemm import MAX_BOUND, P95_BOUND, run_and_check, weights
-from tests.kernels.test_moe import DIMS, E, check, experts, routing
+from tests.kernels.common import FP8, VALID_CODES, bf16, dense64, rel_errors, rng_for
+from tests.kernels.test_gemm import MAX_BOUND, P95_BOUND, run_and_check, same_on_1_and_2_threads, weights
+from tests.kernels.test_moe import DIMS, check, experts, routing, routing_with_hot
 
 HAS_AMX = "amx" in dispatch.available()
 NO_AMX = "this CPU (or this build) has no AMX: the real tiles run on Sapphire Rapids or later; amx_emulated covers " \
@@ -98,17 +97,7 @@ def test_strided_operands_on_tiles(variant, amx_from):
 def test_thread_count_does_not_change_tiles(variant, amx_from):
     amx_from(1)
     rng = rng_for("amx-threads", variant)
-    w, s = weights(rng, 1000, 300, "fp8")
-    x = bf16(rng, (20, 300))
-    before = threads()
-    try:
-        set_threads(1)
-        one = gemm(x, w, s, kernel=variant)
-        set_threads(2)
-        two = gemm(x, w, s, kernel=variant)
-    finally:
-        set_threads(before)
-    assert torch.equal(one, two), f"{variant}: 1 and 2 threads differ; {seed_note()}"
+    same_on_1_and_2_threads(rng, variant, tokens=20)
 
 
 def test_threshold_picks_the_path(amx_from):
@@ -174,13 +163,7 @@ def test_moe_hot_expert_on_tiles(variant, amx_from):
     T = 130
     rng = rng_for("amx-moe-hot", variant)
     x = bf16(rng, (T, D))
-    ids, w = routing(rng, T)
-    hot = int(rng.integers(E))
-    ids[:, 0] = hot
-    for t in range(T):  # keep ids distinct within each token
-        row = [e for e in ids[t, 1:].tolist() if e != hot]
-        rest = [e for e in range(E) if e != hot and e not in row]
-        ids[t, 1:] = torch.tensor((row + rest)[:ids.shape[1] - 1])
+    ids, w, hot = routing_with_hot(rng, T)
     ex = experts("fp8", D, I)
     out = CpuMoE(*ex["w"], *ex["s"], kernel=variant)(x, ids, w)
     check(out, x, ids, w, ex["dense"], variant, "fp8 hot expert")

@@ -187,9 +187,12 @@ def test_out_allocated(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_thread_count_does_not_change_results(variant):
     """The N split over threads changes nothing: one thread and two give the same bits."""
-    rng = rng_for("threads", variant)
+    same_on_1_and_2_threads(rng_for("threads", variant), variant, tokens=9)
+
+
+def same_on_1_and_2_threads(rng, variant: str, tokens: int) -> None:
     w, s = weights(rng, 1000, 300, "fp8")
-    x = bf16(rng, (9, 300))
+    x = bf16(rng, (tokens, 300))
     before = threads()
     try:
         set_threads(1)

@@ -75,6 +75,18 @@ def routing(rng, T, dtype=torch.int64):
     return ids.to(dtype), w
 
 
+def routing_with_hot(rng, T):
+    """routing(), with one expert (returned) picked by every token: the prefill path for it, a few rows for the others."""
+    ids, w = routing(rng, T)
+    hot = int(rng.integers(E))
+    ids[:, 0] = hot
+    for t in range(T):  # keep ids distinct within each token
+        row = [e for e in ids[t, 1:].tolist() if e != hot]
+        rest = [e for e in range(E) if e != hot and e not in row]
+        ids[t, 1:] = torch.tensor((row + rest)[:TOPK - 1])
+    return ids, w, hot
+
+
 def reference(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, dense, bf16_out: bool = False):
     """(float64 reference, per-element error bound, number of h elements whose bf16 rounding is ambiguous)."""
     G, U, Dn = dense
@@ -180,13 +192,7 @@ def test_hot_expert(variant, wtype):
     T = 130
     rng = rng_for("moe-hot", variant, wtype)
     x = bf16(rng, (T, D))
-    ids, w = routing(rng, T)
-    hot = int(rng.integers(E))
-    ids[:, 0] = hot
-    for t in range(T):  # keep ids distinct within each token
-        row = [e for e in ids[t, 1:].tolist() if e != hot]
-        rest = [e for e in range(E) if e != hot and e not in row]
-        ids[t, 1:] = torch.tensor((row + rest)[:TOPK - 1])
+    ids, w, hot = routing_with_hot(rng, T)
     out = torch.full((T, D), float("nan"))
     op_for(wtype, D, I, variant)(x, ids, w, out)
     check(out, x, ids, w, experts(wtype, D, I)["dense"], variant, wtype)
