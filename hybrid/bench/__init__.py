@@ -43,19 +43,29 @@ def _serve(settings) -> list[Record]:
     return run(settings)
 
 
+def _concurrency(settings) -> list[Record]:
+    from hybrid.bench.concurrency import run
+
+    return run(settings)
+
+
 BENCHES: dict[str, Callable] = {"kernels": _kernels, "slo": _slo, "decode": _decode, "prefill": _prefill,
-                                "gpu_gemm": _gpu_gemm, "serve": _serve}
+                                "gpu_gemm": _gpu_gemm, "serve": _serve, "concurrency": _concurrency}
 
 
 def plot_bench(name: str, records: list[Record], json_path) -> Optional[Path]:
     """A PNG beside the JSON, for the benchmarks that draw one."""
-    if name != "prefill":
-        return None
-    from hybrid.bench.prefill import plot
-
     png = Path(json_path).with_suffix(".png")
-    plot(records, png)
-    return png
+    if name == "prefill":
+        from hybrid.bench.prefill import plot
+
+        plot(records, png)
+        return png
+    if name == "concurrency":
+        from hybrid.bench.concurrency import plot
+
+        return plot(records, png)
+    return None
 
 
 def run_bench(settings) -> list[Record]:

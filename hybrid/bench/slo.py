@@ -60,7 +60,7 @@ def _batch(engine, s: HybridConfig, batch: int, roof: float, m) -> list[Record]:
     from hybrid.engine.requests import SamplingParams
 
     b = s.bench
-    prompts = _prompts(engine.model.args, batch, b.prompt_tokens, s.seed)
+    prompts = synthetic_prompts(engine.model.args, batch, b.prompt_tokens, s.seed)
 
     def once(new_tokens: int) -> tuple[float, float, int, list[float]]:
         """All prompts as requests at once, through the scheduler. The batch decodes together from the last first
@@ -103,7 +103,8 @@ def _batch(engine, s: HybridConfig, batch: int, roof: float, m) -> list[Record]:
     return records
 
 
-def _prompts(args, batch: int, length: int, seed: int) -> list[list[int]]:
+def synthetic_prompts(args, batch: int, length: int, seed: int) -> list[list[int]]:
+    """`batch` prompts of `length` random token ids (no special ids; the first one BOS where the model has one)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)

@@ -112,9 +112,11 @@ class CpuPolicy:
     gemm_tile_tokens: int = 64  # tokens per expert from which FP8 tiles are converted once and reused
     amx_min_tokens: int = 8  # kernel amx: tokens per expert from which AMX tiles run (a first guess, to be measured)
     deferred_experts: int = 0  # experts deferred to overlap the next layer (changes outputs slightly)
+    lm_head: str = "bf16"  # lm_head without a GPU: bf16 (as published) | fp8 (quantised at load; changes logits)
 
     def __post_init__(self) -> None:
         _at_least(self, "cpu", 1, "threads", optional=True)
+        _one_of(self, "cpu", "lm_head", ("bf16", "fp8"))
         _one_of(self, "cpu", "kernel", (None, *KERNELS))
         _one_of(self, "cpu", "moe_backend", ("native", "torch"))
         _at_least(self, "cpu", 1, "gemm_tile_tokens", "amx_min_tokens")
@@ -253,12 +255,16 @@ class BenchConfig:
     # gpu_gemm: the GPU ways through one expert's FP8 weights (fp8_tiles above; hidden, inter, repeats)
     gemm_rows: List[int] = field(default_factory=lambda: [128, 256, 512, 1024, 2048, 4096, 8192])
     trace: bool = False  # prefill: save the profiled run's timeline (Chrome trace, .trace.json.gz beside the results)
+    # concurrency: nD, 1P, 1P+nD through the scheduler (P: a long prompt, D: a decoding request)
+    scenarios: List[str] = field(default_factory=lambda: ["1D", "2D", "4D", "1P", "1P+1D", "1P+2D"])
+    long_prompt_tokens: int = 32768  # P's prompt
+    stream_caps: List[float] = field(default_factory=list)  # 1P+1D again at each policy.prefill.stream_cap_gbps (0: none)
 
     def __post_init__(self) -> None:
         if (min([*self.ms, *self.moe_tokens, *self.gemm_rows, *self.group_sweep, *self.batches], default=1) < 1
                 or self.repeats < 1):
             raise ValueError("bench: token counts, group sizes and repeats must be >= 1")
-        for knob in ("prompt_tokens", "new_tokens", "batch"):
+        for knob in ("prompt_tokens", "new_tokens", "batch", "long_prompt_tokens"):
             if getattr(self, knob) < 1:
                 raise ValueError(f"bench.{knob} must be >= 1, got {getattr(self, knob)}")
         if self.roof_gb < 0:
@@ -267,6 +273,12 @@ class BenchConfig:
             raise ValueError(f"bench.cpu_kernels takes {', '.join(KERNELS)}, got {list(self.cpu_kernels)}")
         if set(self.graph_modes) - {"hostfn", "segments"}:
             raise ValueError(f"bench.graph_modes takes hostfn and/or segments, got {list(self.graph_modes)}")
+        if min(self.stream_caps, default=0) < 0:
+            raise ValueError(f"bench.stream_caps are GB/s >= 0 (0: no cap), got {list(self.stream_caps)}")
+        from hybrid.bench.concurrency import parse_scenario  # the one place that reads a scenario's name
+
+        for name in self.scenarios:
+            parse_scenario(name)
 
 
 @dataclass

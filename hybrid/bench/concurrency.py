@@ -1,0 +1,269 @@
+"""`mode=bench bench=concurrency`: does a second request wreck the first one's latency? The source paper's
+micro-benchmarks through the engine's scheduler, the policy deciding how a long prompt runs (held in a step of its
+own, or beside decode with its stream capped: policy.prefill.beside_decode, stream_cap_gbps):
+
+- nD: n requests of `bench.prompt_tokens` tokens decoding together, `bench.new_tokens` steps timed;
+- 1P: a prompt of `bench.long_prompt_tokens` tokens alone: its TTFT is the solo TTFT;
+- 1P+nD: the n requests decode `bench.new_tokens` steps, then the long prompt arrives; timed until its first
+  token and `bench.new_tokens` steps after.
+
+Records per scenario: each decode's TPOT (median step) before the prompt arrived, while it was prefilled (median
+and the worst step: a held prefill is one long step) and their ratio; the prompt's TTFT against the solo TTFT;
+decode tokens/s against the bound measured in the same run — the routed-expert bytes a step of n reads ÷ the read
+roof, and while a prompt streams through the GPU, ÷ the roof less the stream's copy rate (min(cap, pinned H2D
+rate)): the stream reads the same DRAM. `bench.stream_caps` repeats 1P+1D with the prompt beside decode at each cap
+(the trade-off curve: cap → TPOT ratio, TTFT; plotted beside the JSON).
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+from hybrid.bench import bounds
+from hybrid.bench.records import Record, Records
+from hybrid.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    prompts: int  # long prompts (0 or 1)
+    decodes: int  # requests decoding
+
+
+def parse_scenario(name: str) -> Scenario:
+    """'2D', '1P', '1P+2D' -> Scenario; anything else is a ConfigError naming the form."""
+    m = re.fullmatch(r"(1P)?(?:(?(1)\+)([1-9]\d*)D)?", name.replace(" ", ""))
+    if not m or not any(m.groups()):
+        raise ConfigError(f"bench.scenarios: {name!r} is not nD, 1P or 1P+nD (n >= 1)")
+    return Scenario(name, 1 if m.group(1) else 0, int(m.group(2) or 0))
+
+
+class _Driver:
+    """Steps the engine and notes when each request's tokens arrive."""
+
+    def __init__(self, engine):
+        self.engine, self.times, self.errors = engine, {}, []
+
+    def add(self, prompt: list[int], max_tokens: int) -> int:
+        from hybrid.engine.requests import SamplingParams
+
+        rid = self.engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        self.times[rid] = []
+        return rid
+
+    def step(self) -> None:
+        for out in self.engine.step():
+            now = time.perf_counter()
+            self.times.setdefault(out.id, []).extend([now] * len(out.new_token_ids))
+            if out.finish_reason is not None and out.error:
+                self.errors.append(out.error)
+        if self.errors:
+            raise RuntimeError(f"bench=concurrency: a request failed: {self.errors[0]}")
+
+    def until(self, done, what: str, limit_s: float = 3600.0) -> None:
+        t0 = time.perf_counter()
+        while not done():
+            if not self.engine.has_work() or time.perf_counter() - t0 > limit_s:
+                raise RuntimeError(f"bench=concurrency: gave up waiting for {what}")
+            self.step()
+
+    def steps(self, n: int) -> None:
+        for _ in range(n):
+            self.step()
+
+    def drain(self, rids) -> None:
+        for rid in rids:
+            self.engine.abort(rid)
+        while self.engine.has_work():
+            self.engine.step()
+
+
+def _intervals(times: list[float], start: float, end: float) -> list[float]:
+    """Gaps between consecutive tokens that overlap [start, end] (a step spanning the window counts whole)."""
+    return [b - a for a, b in zip(times, times[1:]) if b > start and a < end]
+
+
+def _run_scenario(engine, sc: Scenario, d_prompts, p_prompt, new_tokens: int) -> dict:
+    drv = _Driver(engine)
+    room = engine.plan.max_context
+    ds = [drv.add(p, room - len(p)) for p in d_prompts[:sc.decodes]]
+    out: dict = {}
+    if ds:
+        drv.until(lambda: all(len(drv.times[r]) >= 2 for r in ds), "the decodes' first tokens")
+        t0 = time.perf_counter()
+        drv.steps(new_tokens)
+        t1 = time.perf_counter()
+        out["before"] = [g for r in ds for g in _intervals(drv.times[r], t0, t1)]
+        out["before_tok_s"] = sum(t0 < t <= t1 for r in ds for t in drv.times[r]) / (t1 - t0)
+    if sc.prompts:
+        p = drv.add(p_prompt, 1)
+        t_arrive = time.perf_counter()
+        drv.until(lambda: bool(drv.times[p]), "the long prompt's first token")
+        t_first = drv.times[p][0]
+        out["ttft"] = t_first - t_arrive
+        if ds:
+            out["during"] = [g for r in ds for g in _intervals(drv.times[r], t_arrive, t_first)]
+            out["during_tok_s"] = sum(t_arrive < t <= t_first for r in ds for t in drv.times[r]) / out["ttft"]
+            drv.steps(new_tokens)
+    drv.drain(ds)
+    return out
+
+
+def _stream_gbs(engine, h2d: float) -> float:
+    """The copy rate a stream-loading prefill beside decode takes from the host's DRAM: min(cap, H2D rate)."""
+    cap = engine.plan.stream_cap_bytes_s
+    return min(h2d, cap / 1e9) if cap else h2d
+
+
+def measure(engine, s) -> Records:
+    from hybrid.bench.slo import bytes_per_decode_step, synthetic_prompts
+
+    b = s.bench
+    scenarios = [parse_scenario(n) for n in b.scenarios]
+    streams = engine.device.type == "cuda" and engine.parts.get("loader") is not None
+    most = max((sc.decodes for sc in scenarios), default=0)
+    need = max(sc.decodes + sc.prompts for sc in scenarios)
+    if need > min(engine.plan.batch_cap, engine.plan.max_batch):
+        raise ConfigError(f"bench.scenarios need {need} requests running at once: raise policy.decode.batch_cap "
+                          f"(now {engine.plan.batch_cap}) and policy.kv.max_batch (now {engine.plan.max_batch})")
+    if b.long_prompt_tokens + 1 > engine.plan.max_context:
+        raise ConfigError(f"bench.long_prompt_tokens ({b.long_prompt_tokens}) needs policy.kv.max_context > it "
+                          f"(now {engine.plan.max_context})")
+    if b.stream_caps and not streams:
+        print("bench=concurrency: no stream-loading prefill here (it needs a GPU): bench.stream_caps skipped",
+              file=sys.stderr)
+    a = engine.model.args
+    d_prompts = synthetic_prompts(a, max(most, 1), b.prompt_tokens, s.seed)
+    p_prompt = synthetic_prompts(a, 1, b.long_prompt_tokens, s.seed + 1)[0]
+    roof = h2d = 0.0
+    records = []
+    if b.roof_gb > 0:
+        from hybrid.kernels.membw import calibrate
+
+        roof = max(calibrate(b.roof_gb)[1].values())
+        records.append(Record("read_roof", roof, "GB/s", extra={"buffer_gb": b.roof_gb}))
+    if streams:
+        from hybrid.bench.prefill import h2d_rate
+
+        h2d = h2d_rate()
+        records.append(Record("h2d_pinned", h2d, "GB/s"))
+    how = ("chunked on the CPU path" if not streams or engine.plan.slp_cutoff_tokens >= b.long_prompt_tokens
+           else "stream-loaded beside decode" if engine.plan.prefill_beside_decode else "stream-loaded, decode held")
+    print(f"bench=concurrency: the {b.long_prompt_tokens}-token prompt is {how}", file=sys.stderr)
+    for n in sorted({sc.decodes for sc in scenarios} - {0}) or [1]:  # warm-up: allocations, each batch's graphs
+        _run_scenario(engine, Scenario(f"{n}D", 0, n), d_prompts, p_prompt, 4)
+    results: dict[str, dict] = {}
+    for sc in scenarios:
+        results[sc.name] = _run_scenario(engine, sc, d_prompts, p_prompt, b.new_tokens)
+        records += _records(engine, sc, results, roof, h2d if streams else 0.0, bytes_per_decode_step)
+        _say(sc, results[sc.name])
+    curve = []
+    if b.stream_caps and streams:
+        from hybrid.engine.build import rebuild
+
+        for cap in b.stream_caps:
+            p = replace(s.policy, prefill=replace(s.policy.prefill, beside_decode=True, stream_cap_gbps=cap or None))
+            engine = rebuild(engine, replace(s, policy=p), s.hw)
+            sc = Scenario(f"1P+1D cap {cap or 'none'}", 1, 1)
+            results[sc.name] = r = _run_scenario(engine, sc, d_prompts, p_prompt, b.new_tokens)
+            recs = _records(engine, sc, results, roof, h2d, bytes_per_decode_step)
+            for rec in recs:
+                rec.extra["stream_cap_gbps"] = cap
+            records += recs
+            curve.append((cap, r))
+            _say(sc, r)
+    return Records(records, {"plan": engine.plan.params()})
+
+
+def _records(engine, sc: Scenario, results: dict, roof: float, h2d: float, step_bytes) -> list[Record]:
+    r, n = results[sc.name], sc.decodes
+    common = {"scenario": sc.name, "beside_decode": engine.plan.prefill_beside_decode}
+    out = []
+    if "before" in r and r["before"]:
+        tpot = statistics.median(r["before"])
+        extra = dict(common)
+        solo = results.get("1D", {}).get("before")
+        if solo and n > 1:
+            extra["vs_1D"] = tpot / statistics.median(solo)
+        out.append(Record("tpot_s", tpot, "s", m=n, extra=extra))
+        tok = Record("decode_tok_s", r["before_tok_s"], "tok/s", m=n, extra=dict(common))
+        if roof:
+            tok.bound = bounds.decode_tok_s_bound(step_bytes(engine, n), roof, n)
+        out.append(tok)
+    if "ttft" in r:
+        extra = dict(common)
+        solo = results.get("1P", {}).get("ttft")
+        if solo and n:
+            extra["vs_1P"] = r["ttft"] / solo
+        out.append(Record("ttft_s", r["ttft"], "s", m=n, extra=extra))
+    if r.get("during"):
+        during, before = statistics.median(r["during"]), statistics.median(r["before"])
+        out.append(Record("tpot_during_prefill_s", during, "s", m=n,
+                          extra={**common, "worst_step_s": max(r["during"]), "steps": len(r["during"])}))
+        out.append(Record("tpot_ratio", during / before, "x", m=n,
+                          extra={**common, "worst_step_ratio": max(r["during"]) / before}))
+        tok = Record("decode_tok_s_during_prefill", r["during_tok_s"], "tok/s", m=n, extra=dict(common))
+        stream = _stream_gbs(engine, h2d) if h2d else 0.0
+        if roof and roof > stream:
+            tok.bound = bounds.decode_tok_s_bound(step_bytes(engine, n), roof - stream, n)
+            tok.extra["roof_less_stream_gbs"] = roof - stream
+        out.append(tok)
+    return out
+
+
+def _say(sc: Scenario, r: dict) -> None:
+    parts = []
+    if r.get("before"):
+        parts.append(f"TPOT {statistics.median(r['before']) * 1e3:.1f} ms")
+    if "ttft" in r:
+        parts.append(f"TTFT {r['ttft']:.3f} s")
+    if r.get("during"):
+        parts.append(f"TPOT during the prefill {statistics.median(r['during']) * 1e3:.1f} ms "
+                     f"(worst step {max(r['during']) * 1e3:.0f} ms)")
+    print(f"  {sc.name}: " + ", ".join(parts), file=sys.stderr)
+
+
+def run(s) -> Records:
+    from hybrid.engine.build import build
+
+    for name in s.bench.scenarios:
+        parse_scenario(name)
+    return measure(build(s, s.hw, progress=False), s)
+
+
+def plot(records: list[Record], png: Path) -> Optional[Path]:
+    """The trade-off curve of bench.stream_caps: stream cap -> the decode's TPOT ratio and the prompt's TTFT."""
+    pts = {}
+    for r in records:
+        cap = r.extra.get("stream_cap_gbps")
+        if cap is not None and r.name in ("tpot_ratio", "ttft_s"):
+            pts.setdefault(cap, {})[r.name] = r.value
+    pts = {c: v for c, v in pts.items() if len(v) == 2}
+    if not pts:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    caps = sorted(pts, key=lambda c: c or float("inf"))
+    labels = [f"{c:g}" if c else "none" for c in caps]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(labels, [pts[c]["tpot_ratio"] for c in caps], marker="o", color="C0", label="decode TPOT during ÷ before")
+    ax.axhline(1.15, linestyle="--", color="C0", alpha=0.5, label="1.15x")
+    ax.set(xlabel="stream cap while decoding (GB/s)", ylabel="TPOT ratio", title="1P+1D: the stream's cap")
+    ax2 = ax.twinx()
+    ax2.plot(labels, [pts[c]["ttft_s"] for c in caps], marker="s", color="C1", label="long prompt's TTFT")
+    ax2.set_ylabel("TTFT (s)")
+    lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="upper center")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png

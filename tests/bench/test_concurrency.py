@@ -1,0 +1,63 @@
+"""`bench=concurrency`: scenario names, and the whole run on the CPU (the long prompt takes the chunked path there:
+the decodes go on between its chunks, so TPOT while it prefills is measured; the stream caps need a GPU)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hybrid.bench.concurrency import Scenario, _intervals, parse_scenario
+from hybrid.config.compose import compose, to_settings
+from hybrid.errors import ConfigError
+
+
+def test_scenario_names():
+    assert parse_scenario("2D") == Scenario("2D", 0, 2)
+    assert parse_scenario("1P") == Scenario("1P", 1, 0)
+    assert parse_scenario("1P+2D") == Scenario("1P+2D", 1, 2)
+    for bad in ("", "P", "2P", "1P+", "+2D", "D2", "1P2D", "0D"):
+        with pytest.raises(ConfigError, match="nD, 1P or 1P"):
+            parse_scenario(bad)
+    with pytest.raises(ValueError, match="3X"):  # checked when the config is composed
+        to_settings(compose(["mode=bench", "bench=concurrency", "bench.scenarios=[1D,3X]"]))
+
+
+def test_intervals_count_a_step_spanning_the_window_whole():
+    times = [0.0, 1.0, 2.0, 10.0, 11.0]
+    assert _intervals(times, 2.5, 9.0) == [8.0]  # the held step: one long gap
+    assert _intervals(times, 0.5, 10.5) == [1.0, 1.0, 8.0, 1.0]
+
+
+def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):
+    env = {**os.environ, "HYBRID_RUNS_DIR": str(tmp_path)}
+    args = ["mode=bench", "bench=concurrency", "output=json", "bench.long_prompt_tokens=160", "bench.prompt_tokens=8",
+            "bench.new_tokens=6", "bench.roof_gb=0.05", "policy.prefill.chunk_tokens=16", "policy.kv.max_context=256",
+            "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "bench.scenarios=[1D,2D,1P,1P+1D,1P+2D]",
+            "bench.stream_caps=[10]"]
+    p = subprocess.run([sys.executable, "-m", "hybrid", *args], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    recs = {(r["name"], r.get("scenario")): r for r in out["records"]}  # extras flattened into the record
+    assert "bench.stream_caps skipped" in p.stderr  # no stream-loading without a GPU
+    for sc, n in (("1D", 1), ("2D", 2), ("1P+1D", 1), ("1P+2D", 2)):
+        tpot, tok = recs[("tpot_s", sc)], recs[("decode_tok_s", sc)]
+        assert tpot["m"] == n and 0 < tpot["value"] < 5
+        assert tok["bound"] and 0 < tok["value"] < 10 * tok["bound"]  # bounded by the roof (noisy on 2 cores)
+    assert 0 < recs[("ttft_s", "1P")]["value"] and "vs_1P" in recs[("ttft_s", "1P+1D")]
+    for sc in ("1P+1D", "1P+2D"):
+        ratio = recs[("tpot_ratio", sc)]
+        during = recs[("tpot_during_prefill_s", sc)]
+        assert ratio["value"] > 0 and during["steps"] >= 2  # chunks: the decodes stepped during the prompt
+        assert during["worst_step_s"] >= during["value"]
+    assert "vs_1D" in recs[("tpot_s", "2D")]
+
+
+def test_too_many_requests_for_the_batch_cap_fail_clearly(tmp_path, tiny_dir):
+    env = {**os.environ, "HYBRID_RUNS_DIR": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-m", "hybrid", "mode=bench", "bench=concurrency", "bench.roof_gb=0",
+                        "bench.long_prompt_tokens=64", "policy.decode.batch_cap=2", "bench.scenarios=[1P+2D]"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode != 0 and "need 3 requests running at once" in p.stderr and "Traceback" not in p.stderr
