@@ -5,7 +5,7 @@ own, or beside decode with its stream capped: policy.prefill.beside_decode, stre
 - nD: n requests of `bench.prompt_tokens` tokens decoding together, `bench.new_tokens` steps timed;
 - 1P: a prompt of `bench.long_prompt_tokens` tokens alone: its TTFT is the solo TTFT;
 - 1P+nD: the n requests decode `bench.new_tokens` steps, then the long prompt arrives; timed until its first
-  token and `bench.new_tokens` steps after.
+  token.
 
 Records per scenario: each decode's TPOT (median step) before the prompt arrived, while it was prefilled (median
 and the worst step: a held prefill is one long step) and their ratio; the prompt's TTFT against the solo TTFT;
@@ -110,15 +110,18 @@ def _run_scenario(engine, sc: Scenario, d_prompts, p_prompt, new_tokens: int) ->
         if ds:
             out["during"] = [g for r in ds for g in _intervals(drv.times[r], t_arrive, t_first)]
             out["during_tok_s"] = sum(t_arrive < t <= t_first for r in ds for t in drv.times[r]) / out["ttft"]
-            drv.steps(new_tokens)
     drv.drain(ds)
     return out
 
 
-def _stream_gbs(engine, h2d: float) -> float:
-    """The copy rate a stream-loading prefill beside decode takes from the host's DRAM: min(cap, H2D rate)."""
-    cap = engine.plan.stream_cap_bytes_s
-    return min(h2d, cap / 1e9) if cap else h2d
+def _stream_gbs(engine, h2d: float, prompt_tokens: int) -> float:
+    """The copy rate a prompt's stream-loading prefill beside decode takes from the host's DRAM while requests
+    decode: min(cap, H2D rate); 0 when it is not stream-loaded beside decode (held: decode waits; chunked: no
+    stream)."""
+    p = engine.plan
+    if not h2d or not p.prefill_beside_decode or prompt_tokens <= p.slp_cutoff_tokens:
+        return 0.0
+    return min(h2d, p.stream_cap_bytes_s / 1e9) if p.stream_cap_bytes_s else h2d
 
 
 def measure(engine, s) -> Records:
@@ -135,9 +138,10 @@ def measure(engine, s) -> Records:
     if b.long_prompt_tokens + 1 > engine.plan.max_context:
         raise ConfigError(f"bench.long_prompt_tokens ({b.long_prompt_tokens}) needs policy.kv.max_context > it "
                           f"(now {engine.plan.max_context})")
-    if b.stream_caps and not streams:
-        print("bench=concurrency: no stream-loading prefill here (it needs a GPU): bench.stream_caps skipped",
-              file=sys.stderr)
+    streamed = streams and engine.plan.slp_cutoff_tokens < b.long_prompt_tokens
+    if b.stream_caps and not streamed:
+        print("bench=concurrency: the long prompt is not stream-loaded here (that needs a GPU and a prompt over "
+              "policy.prefill.slp_cutoff_tokens): bench.stream_caps skipped", file=sys.stderr)
     a = engine.model.args
     d_prompts = synthetic_prompts(a, max(most, 1), b.prompt_tokens, s.seed)
     p_prompt = synthetic_prompts(a, 1, b.long_prompt_tokens, s.seed + 1)[0]
@@ -158,13 +162,15 @@ def measure(engine, s) -> Records:
     print(f"bench=concurrency: the {b.long_prompt_tokens}-token prompt is {how}", file=sys.stderr)
     for n in sorted({sc.decodes for sc in scenarios} - {0}) or [1]:  # warm-up: allocations, each batch's graphs
         _run_scenario(engine, Scenario(f"{n}D", 0, n), d_prompts, p_prompt, 4)
+    if any(sc.prompts for sc in scenarios):  # and the long prompt's path (ring, kernels for its row counts)
+        _run_scenario(engine, Scenario("1P", 1, 0), d_prompts, p_prompt, 0)
+    plan = engine.plan.params()  # the scenarios' (the caps below rebuild the engine)
     results: dict[str, dict] = {}
     for sc in scenarios:
         results[sc.name] = _run_scenario(engine, sc, d_prompts, p_prompt, b.new_tokens)
-        records += _records(engine, sc, results, roof, h2d if streams else 0.0, bytes_per_decode_step)
+        records += _records(engine, sc, results, roof, h2d, b.long_prompt_tokens, bytes_per_decode_step)
         _say(sc, results[sc.name])
-    curve = []
-    if b.stream_caps and streams:
+    if b.stream_caps and streamed:
         from hybrid.engine.build import rebuild
 
         for cap in b.stream_caps:
@@ -172,16 +178,16 @@ def measure(engine, s) -> Records:
             engine = rebuild(engine, replace(s, policy=p), s.hw)
             sc = Scenario(f"1P+1D cap {cap or 'none'}", 1, 1)
             results[sc.name] = r = _run_scenario(engine, sc, d_prompts, p_prompt, b.new_tokens)
-            recs = _records(engine, sc, results, roof, h2d, bytes_per_decode_step)
+            recs = _records(engine, sc, results, roof, h2d, b.long_prompt_tokens, bytes_per_decode_step)
             for rec in recs:
                 rec.extra["stream_cap_gbps"] = cap
             records += recs
-            curve.append((cap, r))
             _say(sc, r)
-    return Records(records, {"plan": engine.plan.params()})
+    return Records(records, {"plan": plan})
 
 
-def _records(engine, sc: Scenario, results: dict, roof: float, h2d: float, step_bytes) -> list[Record]:
+def _records(engine, sc: Scenario, results: dict, roof: float, h2d: float, prompt_tokens: int,
+             step_bytes) -> list[Record]:
     r, n = results[sc.name], sc.decodes
     common = {"scenario": sc.name, "beside_decode": engine.plan.prefill_beside_decode}
     out = []
@@ -209,7 +215,7 @@ def _records(engine, sc: Scenario, results: dict, roof: float, h2d: float, step_
         out.append(Record("tpot_ratio", during / before, "x", m=n,
                           extra={**common, "worst_step_ratio": max(r["during"]) / before}))
         tok = Record("decode_tok_s_during_prefill", r["during_tok_s"], "tok/s", m=n, extra=dict(common))
-        stream = _stream_gbs(engine, h2d) if h2d else 0.0
+        stream = _stream_gbs(engine, h2d, prompt_tokens)
         if roof and roof > stream:
             tok.bound = bounds.decode_tok_s_bound(step_bytes(engine, n), roof - stream, n)
             tok.extra["roof_less_stream_gbs"] = roof - stream

@@ -56,12 +56,20 @@ struct Tiles {
 }  // namespace
 
 void gemm_rows_amx(const GemmProblem& p, const uint16_t* xv, int64_t n0, int64_t n1, uint16_t* buf) {
-  // Configured on every call, not once per thread: the calling thread also runs other libraries' AMX code
-  // (oneDNN, under torch), which may load its own configuration or release the tiles in between. It costs
-  // a few hundred cycles against a call's 32 x K x M products at least.
+  // Configured on every call, and the thread's previous configuration put back after: the calling thread also
+  // runs other libraries' AMX code (oneDNN, under torch), which may keep its own configuration loaded between
+  // its calls and not load it again. Without one before, the tiles are released (no 8 KB of tile state saved
+  // and restored at the thread's context switches). A few hundred cycles against a call's 32 x K x M products.
   static const TileConfig config;
+  alignas(64) uint8_t before[64];
+  _tile_storeconfig(before);  // all zero when no configuration is loaded
   _tile_loadconfig(&config);
   amx_rows<Tiles>(p, xv, n0, n1, buf, thread_floats((p.M + 31) / 32 * 1024 + 1024));
+  if (before[0] != 0) {
+    _tile_loadconfig(before);
+  } else {
+    _tile_release();
+  }
 }
 
 }  // namespace hybrid

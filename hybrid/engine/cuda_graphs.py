@@ -195,10 +195,10 @@ class GraphedDecode:
         pos.copy_(pos_B1, non_blocking=True)
         slots.copy_(slots_B, non_blocking=True)
         if key in self.eager:
-            return self._run(b, kv_len)
+            return self._run(b, key[1])  # at the graphs' KV length: the same numbers as a replay
         graph = self.graphs.get(key)
         if graph is None and not capture:
-            return self._run(b, kv_len)
+            return self._run(b, key[1])  # at the graphs' KV length: the same numbers as a replay
         if graph is None:
             try:
                 graph = self._capture(*key)
@@ -206,7 +206,7 @@ class GraphedDecode:
                 print(f"warning: decode step of batch {b}, KV length {key[1]} runs eagerly: CUDA graph capture "
                       f"failed ({str(e).splitlines()[0]})", file=sys.stderr)
                 self.eager.add(key)
-                return self._run(b, kv_len)
+                return self._run(b, key[1])  # at the graphs' KV length: the same numbers as a replay
         for step in graph.steps:
             step()
         torch.cuda.current_stream().synchronize()  # the sampler reads the logits next anyway

@@ -123,6 +123,14 @@ class Engine:
         with self._lock:
             return bool(self._inbox or self._aborts) or self.scheduler.has_work()
 
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stops a prefill running beside decode (at its next expert) and waits for its thread; steps may follow
+        (the request then finishes as aborted)."""
+        b = self._beside
+        if b is not None:
+            b.cancel()
+            b.thread.join(timeout_s)
+
     @property
     def running(self) -> int:
         return len(self.scheduler.running)
@@ -144,7 +152,10 @@ class Engine:
         self._throttle.set_rate(self.plan.stream_cap_bytes_s if plan.decode else None)
         for chunk in plan.prefill:
             if chunk.beside:
-                self._beside = _Beside.start(self, chunk)
+                try:
+                    self._beside = _Beside.start(self, chunk)
+                except Exception as e:  # no stream or thread to run it: this request fails, the others go on
+                    self._fail([chunk.request], e, changed)
             else:
                 self._prefill(chunk, changed)
         live = [r for r in plan.decode if not r.finished]
@@ -164,8 +175,8 @@ class Engine:
             self.scheduler.add(req)
         for rid in aborts:
             req = self._requests.get(rid)
-            if req is not None and req.state is State.streaming:
-                self._beside.aborted = True  # its slot is written until the prefill ends: it finishes then
+            if req is not None and self._beside is not None and self._beside.chunk.request is req:
+                self._beside.cancel()  # its slot is written until the prefill stops: it finishes then
             elif req is not None and not req.finished:
                 self._finish(req, FinishReason.abort, changed)
 
@@ -205,15 +216,18 @@ class Engine:
         return self._prefill_range(req.prompt, chunk.start, chunk.end, req.slot, chunk.streamed)[0]
 
     def _prefill_range(self, prompt: list[int], start: int, end: int, slot: int, streamed: bool,
-                       **stream) -> tuple[torch.Tensor, list]:
+                       cancelled: Optional[threading.Event] = None, **stream) -> tuple[torch.Tensor, list]:
         """prompt[start:end] into `slot` (the positions before it already there): the last token's logits, and the
-        statistics of each stream-loading pass it took (one per SLP chunk)."""
+        statistics of each stream-loading pass it took (one per SLP chunk). `cancelled`: set, no further chunk
+        starts (the logits are then None)."""
         if not streamed:
             return self._forward(prompt[start:end], start, slot), []
         pipes, step = [], self.plan.slp_chunk_tokens or (end - start)
         for at in range(start, end, step):
+            if cancelled is not None and cancelled.is_set():
+                return None, pipes
             stop = min(end, at + step)
-            with self._long_prefill(stop - at, **stream) as pipe:
+            with self._long_prefill(stop - at, cancel=cancelled, **stream) as pipe:
                 logits = self._forward(prompt[at:stop], at, slot, pipe.experts)
             pipes.append(pipe.stats())  # not the pipeline: its ring and buffers go back before the next chunk
         return logits, pipes
@@ -237,8 +251,11 @@ class Engine:
         req = b.chunk.request
         b.thread.join()
         if b.side is not None:  # its KV writes and logits before anything the engine's stream runs next
-            torch.cuda.current_stream(self.device).wait_stream(b.side)
-        if b.aborted:
+            main = torch.cuda.current_stream(self.device)
+            main.wait_stream(b.side)
+            if b.logits is not None:
+                b.logits.record_stream(main)  # made on the side stream, read on this one
+        if b.cancelled.is_set():
             self._finish(req, FinishReason.abort, changed)
         elif b.error is not None:
             self._fail([req], b.error, changed)
@@ -386,29 +403,32 @@ class _Beside:
     chunk: Chunk
     thread: threading.Thread
     done: threading.Event
+    cancelled: threading.Event  # aborted: the prefill stops at its next stream-loading chunk
     side: Optional[torch.cuda.Stream]
     logits: Optional[torch.Tensor] = None
     error: Optional[BaseException] = None
-    aborted: bool = False
 
     @classmethod
     def start(cls, engine: "Engine", chunk: Chunk) -> "_Beside":
         req = chunk.request
-        req.state = State.streaming
         side = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
         if side is not None:  # what the engine's stream wrote (e.g. a cleared slot) before the prefill reads
             side.wait_stream(torch.cuda.current_stream(engine.device))
         b = cls(chunk, threading.Thread(target=lambda: b._run(engine), name=f"prefill-{req.id}", daemon=True),
-                threading.Event(), side)
+                threading.Event(), threading.Event(), side)
         b.thread.start()
+        req.state = State.streaming
         return b
+
+    def cancel(self) -> None:
+        self.cancelled.set()
 
     def _run(self, engine: "Engine") -> None:
         c = self.chunk
         try:
             with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
                 self.logits = engine._prefill_range(c.request.prompt, c.start, c.end, c.request.slot, True,
-                                                    throttle=engine._throttle)[0]
+                                                    throttle=engine._throttle, cancelled=self.cancelled)[0]
         except BaseException as e:  # noqa: BLE001 - handed to the engine's thread, which fails the request
             self.error = e
         finally:

@@ -3,6 +3,7 @@ leaves beside the chunk's activations (or policy.prefill.ring_len), the experts 
 engine's StreamLoader (hybrid/prefill/slp.py). Benchmarks vary ring length, group size and FP8 GEMM per call."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import ContextManager, Optional
 
@@ -26,13 +27,14 @@ class LongPrefill:
     budget_gb: Optional[float] = None  # policy.gpu.memory_budget_gb (None: the device's free memory less a reserve)
 
     def __call__(self, tokens: int, ring_len: Optional[int] = None, group: Optional[int] = None,
-                 gemm: Optional[Fp8Gemm] = None, throttle: Optional[Throttle] = None) -> ContextManager:
+                 gemm: Optional[Fp8Gemm] = None, throttle: Optional[Throttle] = None,
+                 cancel: Optional[threading.Event] = None) -> ContextManager:
         """The context in which a chunk of `tokens` tokens is prefilled with the experts streamed (the pipeline's
         `experts` go to the model call); ring_len, group and gemm replace the plan's for this call; `throttle`
-        paces the copies (a prefill beside decode)."""
+        paces the copies and `cancel` stops the prefill at its next expert (a prefill beside decode)."""
         a = self.model.args
         group = self.group if group is None else group
         budget = ring_budget(a, free_bytes(self.device, self.budget_gb), self.loader.kept_ring_bytes(self.device),
                              group, tokens)
         ring_len = ring_len or self.ring_len or auto_ring_len(a.n_routed_experts, self.slot_bytes, budget)
-        return self.loader.streaming(self.model, self.device, ring_len, budget, group, gemm, throttle)
+        return self.loader.streaming(self.model, self.device, ring_len, budget, group, gemm, throttle, cancel)

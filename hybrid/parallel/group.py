@@ -10,6 +10,7 @@ Rows: every collective here moves tensors along their first dimension, each rank
 from __future__ import annotations
 
 import contextlib
+import datetime
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+COLLECTIVE_TIMEOUT_S = 300  # a prefill's collectives take seconds; this long means a peer is gone
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,9 @@ def process_group(rank: int, world: int, init_file: str, device: torch.device) -
     at the end."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device), init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # a peer that died fails the collectives within minutes, not the backends' default half hour
+    dist.init_process_group(backend_for(device), init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
         yield Dist(rank, world, device)
     finally:

@@ -58,6 +58,10 @@ SWITCH_INTERVAL_S = 2e-4
 AUTO_GROUP = 16
 
 
+class PrefillCancelled(RuntimeError):
+    """A stream-loading prefill stopped because it was cancelled (its request aborted)."""
+
+
 class Pipeline:
     """The loader and unloader threads around a ring, for one prefill over `layers` (their host experts). The ring
     comes from `loader` (a new StreamLoader when none is given) and goes back to it at the end; the streamed
@@ -65,9 +69,9 @@ class Pipeline:
 
     def __init__(self, layers: list[HostExpertLayer], device: torch.device, ring_len: int, budget_bytes: float,
                  group: int = 1, loader: Optional["StreamLoader"] = None, gemm: Optional[Fp8Gemm] = None,
-                 throttle: Optional[Throttle] = None):
+                 throttle: Optional[Throttle] = None, cancel: Optional[threading.Event] = None):
         self.loader = loader if loader is not None else StreamLoader()
-        self.throttle = throttle
+        self.throttle, self.cancel = throttle, cancel
         self.experts: dict[int, nn.Module] = {}  # layer index -> StreamedExperts, for the model call (streaming)
         self.gemm = gemm if gemm is not None else self.loader.gemm
         self.layers, self.device, self.group = layers, device, max(1, group)
@@ -142,6 +146,8 @@ class Pipeline:
     def take(self, layer: int, expert: int) -> int:
         """The slot holding (layer, expert), once its weights are on the device (stream-ordered)."""
         while True:
+            if self.cancel is not None and self.cancel.is_set():
+                raise PrefillCancelled("stream-loading prefill: cancelled")
             try:
                 li, e, slot, on = self.ready.get(timeout=0.05)
                 break
@@ -256,8 +262,10 @@ class Pipeline:
         self.done.put(None)
         for t in self.threads:
             t.join()
-        if self.device.type == "cuda":  # the model's last reads of the ring have run: the next prefill may write
-            torch.cuda.current_stream(self.device).synchronize()  # (not the device: decode may run beside)
+        if self.device.type == "cuda":  # the model's last reads of the ring and the loader's last copies have run:
+            torch.cuda.current_stream(self.device).synchronize()  # the next prefill may write (the device is not
+            for stream in self.streams:  # waited for: decode may run beside)
+                stream.synchronize()
         self.loader.keep_ring(self.ring)
         self._group_weights = None  # the group buffer goes back with the prefill
 
@@ -317,12 +325,14 @@ class StreamLoader:
     @contextlib.contextmanager
     def streaming(self, model: nn.Module, device: torch.device, ring_len: int, budget_bytes: float,
                   group: int = 1, gemm: Optional[Fp8Gemm] = None,
-                  throttle: Optional[Throttle] = None) -> Iterator[Pipeline]:
+                  throttle: Optional[Throttle] = None,
+                  cancel: Optional[threading.Event] = None) -> Iterator[Pipeline]:
         """A pipeline streaming the model's routed experts through the device (the model must have been placed with
         experts on the CPU kernels); the model runs with them when called with `experts=pipe.experts` (the model
         itself is not changed: decode may go on with its own experts meanwhile). Up to `group` experts already on
         the device are computed together; `gemm` for this prefill instead of the loader's (benchmarks);
-        `throttle` paces the copies (prefill beside decode)."""
+        `throttle` paces the copies and `cancel`, once set, ends the prefill at its next expert with
+        PrefillCancelled (prefill beside decode)."""
         moes = {i: block.mlp for i, block in enumerate(model.model.layers)
                 if isinstance(block.mlp, MoE) and isinstance(block.mlp.experts, HostExpertLayer)}
         if not moes:
@@ -331,7 +341,7 @@ class StreamLoader:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         try:
             with Pipeline([m.experts for m in moes.values()], device, ring_len, budget_bytes, group, self, gemm,
-                          throttle) as pipe:
+                          throttle, cancel) as pipe:
                 pipe.experts = {i: StreamedExperts(pipe, j) for j, i in enumerate(moes)}
                 yield pipe
         finally:

@@ -131,6 +131,7 @@ class EngineLoop:
                     self._on_step(self.engine, outs)
                 except Exception:
                     log.exception("on_step failed")
+        self.engine.close()  # a prefill still running beside decode stops at its next expert
         self._route(self._fail_all("the engine stopped"))
 
     def _route(self, outs: Sequence[RequestOutput]) -> None:

@@ -35,8 +35,8 @@ def hybrid(tiny_dir):
 def _engine(model, beside: bool = True, cap: float | None = None, budget: float = BIG, context: int = 96) -> Engine:
     loader = StreamLoader()
 
-    def long_prefill(tokens, throttle=None, **_):
-        return loader.streaming(model, CPU, 2, budget, throttle=throttle)
+    def long_prefill(tokens, throttle=None, cancel=None, **_):
+        return loader.streaming(model, CPU, 2, budget, throttle=throttle, cancel=cancel)
 
     plan = Plan(max_batch=3, max_context=context, batch_cap=3, prefill_chunk_tokens=8, slp_cutoff_tokens=CUTOFF,
                 prefill_beside_decode=beside, stream_cap_bytes_s=cap)
@@ -114,11 +114,15 @@ def test_aborting_the_streamed_prompt_frees_its_slot_for_the_next_request(hybrid
     b = engine.add_request(_prompt(40, 2), _greedy(5))
     engine.step()  # b streams now
     engine.abort(b)
-    outs, t0 = {}, time.monotonic()
+    outs, t0, b_done = {}, time.monotonic(), None
     while engine.has_work() and time.monotonic() - t0 < 60:
         for o in engine.step():
             outs.setdefault(o.id, []).append(o)
+            if o.id == b and o.finished:
+                b_done = time.monotonic() - t0
     assert outs[b][-1].finish_reason is FinishReason.abort and not outs[b][-1].new_token_ids
+    # the stream stopped at its next expert, not after all 32 (~0.5 s at 15 ms each)
+    assert b_done is not None and b_done < 0.25, f"the aborted stream ran on for {b_done} s"
     assert outs[a][-1].finish_reason is FinishReason.length
     assert sum(len(o.new_token_ids) for o in outs[a]) + 1 >= 30  # the first token came in the first step
     engine.add_request(_prompt(40, 4), _greedy(3))  # into the freed slot, streamed in turn
@@ -127,6 +131,18 @@ def test_aborting_the_streamed_prompt_frees_its_slot_for_the_next_request(hybrid
         for o in engine.step():
             tokens += o.new_token_ids
     assert tokens == _engine(hybrid).generate([_prompt(40, 4)], _greedy(3))[0].output_ids
+
+
+def test_close_stops_a_prefill_running_beside(hybrid, slow_stream):
+    """What the server does on shutdown: the stream stops at its next expert; a step then ends the request."""
+    engine = _engine(hybrid)
+    rid = engine.add_request(_prompt(40, 2), _greedy(5))
+    engine.step()
+    t0 = time.monotonic()
+    engine.close()
+    assert time.monotonic() - t0 < 0.25
+    outs = [o for o in engine.step() if o.id == rid]
+    assert outs and outs[-1].finish_reason is FinishReason.abort and not engine.has_work()
 
 
 def test_a_failing_streamed_prefill_fails_its_request_alone(hybrid):

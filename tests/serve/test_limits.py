@@ -62,7 +62,7 @@ def test_a_full_queue_answers_429_with_retry_after(tiny_model, tiny_tok):
 def test_an_engine_error_fails_that_request_alone(tiny_model, tiny_tok):
     fail = {"on": False}
 
-    def flaky(tokens, pos, slots, kv_len):
+    def flaky(tokens, pos, slots, kv_len, capture=True):
         if fail["on"]:
             raise RuntimeError("injected decode failure")
         return tiny_model(tokens, pos, engine.cache, slots, kv_len=kv_len)[:, -1]
