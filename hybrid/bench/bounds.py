@@ -104,6 +104,27 @@ def decode_step_bytes(a: ModelArgs, batch: int, whole_model: bool) -> float:
     return routed + (non_expert_bytes(a) if whole_model else 0)
 
 
+def cpu_decode_bytes(a: ModelArgs, batch: int = 1, kv_b_dense: bool = True, lm_head_fp8: bool = False
+                     ) -> dict[str, float]:
+    """Weight bytes one decode step reads when the CPU runs the whole model, by part (attention, dense_mlp,
+    router, shared_experts, routed_experts, lm_head; norms in attention): the routed experts the batch activates
+    on average; kv_b as the two BF16 halves the CPU path keeps (`kv_b_dense`) instead of its FP8 form; lm_head in
+    BF16, or in 128x128 block-scaled FP8 (`lm_head_fp8`). The embedding (a row per token) is left out."""
+    d, h, blk = a.hidden_size, a.num_attention_heads, a.fp8_block
+    kv_b_n = h * (a.qk_nope_head_dim + a.v_head_dim)
+    kv_b_extra = BF16 * kv_b_n * a.kv_lora_rank - linear_bytes(kv_b_n, a.kv_lora_rank, blk) if kv_b_dense and blk else 0
+    n_layers, n_moe = a.num_hidden_layers, a.n_moe_layers
+    lm_block = (128, 128) if lm_head_fp8 else None
+    return {
+        "attention": n_layers * (attention_bytes(a) + 2 * BF16 * d + kv_b_extra),
+        "dense_mlp": (n_layers - n_moe) * mlp_bytes(d, a.intermediate_size, blk),
+        "router": n_moe * (BF16 * a.n_routed_experts * d + FP32 * a.n_routed_experts),
+        "shared_experts": n_moe * mlp_bytes(d, a.moe_intermediate_size * a.n_shared_experts, blk),
+        "routed_experts": n_moe * active_experts(a.n_routed_experts, a.num_experts_per_tok, batch) * expert_bytes(a),
+        "lm_head": BF16 * d + linear_bytes(a.vocab_size, d, lm_block),
+    }
+
+
 def read_seconds(nbytes: float, gbs: float) -> float:
     """Seconds to move `nbytes` at `gbs` GB/s."""
     if gbs <= 0:

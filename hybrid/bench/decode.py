@@ -11,9 +11,11 @@ current one whatever the values, so a step's cost at context C is that of a real
 
 Without a GPU every layer runs on the CPU in turn (the routed experts too: placement runs them synchronously, the
 shared experts after them), so host clocks around each layer split the step exactly: `split.outside_layers` is the
-rest (embeddings, final norm, lm_head, sampling), counted once in the projection, not per layer; `split.cpu_moe` is
-the routed experts alone (their submit-to-join span, less the shared experts run inside it); the idle fractions
-there are shares of the step (no device idles beside another).
+rest (embeddings, final norm, lm_head, sampling), counted once in the projection, not per layer, and `split.lm_head`
+lm_head alone; `split.cpu_moe` is the routed experts alone (their submit-to-join span, less the shared experts run
+inside it); the idle fractions there are shares of the step (no device idles beside another). The CPU runs every
+weight, so its bound is all of them: `all_bytes_per_token` (bounds.cpu_decode_bytes, by part in its record) over
+the read roof measured in the same run (`decode_vs_all_bytes_bound`), and `weight_read_gbs` what the step reached.
 """
 from __future__ import annotations
 
@@ -71,8 +73,12 @@ class _LayerClocks:
         self.handles = []
         for block in (m for m in model.modules() if isinstance(m, Block)):
             kind = "moe_layers" if isinstance(block.mlp, MoE) else "dense_layers"
-            self.handles += [block.register_forward_pre_hook(self._pre),
-                             block.register_forward_hook(functools.partial(self._post, kind))]
+            self._clock(block, kind)
+        self._clock(model.lm_head, "lm_head")
+
+    def _clock(self, module, kind: str) -> None:
+        self.handles += [module.register_forward_pre_hook(self._pre),
+                         module.register_forward_hook(functools.partial(self._post, kind))]
 
     def _pre(self, mod, args) -> None:
         self.open[id(mod)] = time.perf_counter()
@@ -138,7 +144,7 @@ def run(settings) -> list[Record]:
         syncs0 = engine.parts["staging"].syncs
         times, parts = _context(engine, cfg, ctx)
         records += _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, a.first_k_dense_replace,
-                            (engine.parts["staging"].syncs - syncs0) / (cfg.steps + 2), s)
+                            (engine.parts["staging"].syncs - syncs0) / (cfg.steps + 2), s, a)
         eager_tpot, experts = statistics.median(times), parts["experts_read"] / len(times)
         for mode, g in graphs.items():
             times, parts = _graphed(engine, cfg, ctx, g)
@@ -193,7 +199,22 @@ def project_cpu(per_step: dict, n_moe: int, n_dense: int) -> float:
             + FULL_DENSE_LAYERS * per_step.get("dense_layers", 0.0) / max(n_dense, 1) + per_step["outside_layers"])
 
 
-def _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, n_dense, syncs, s) -> list[Record]:
+def _all_bytes_records(a, s, common: dict, tpot: float, roof: float) -> list[Record]:
+    """The CPU-only bound: every weight byte a step reads (as this path reads them) at the read roof."""
+    b = common["batch"]
+    parts = bounds.cpu_decode_bytes(a, b, lm_head_fp8=s.policy.cpu.lm_head == "fp8")
+    total = sum(parts.values())
+    bound = bounds.read_seconds(total, roof)
+    return [
+        Record("all_bytes_per_token", total / b, "B", extra={**common, **{f"{k}_mb": round(v / 1e6, 1)
+                                                                        for k, v in parts.items()}}),
+        Record("decode_vs_all_bytes_bound", bound / tpot, "fraction", 1.0, b,
+               extra={**common, "bound_s": bound, "roof_gbs": roof}),
+        Record("weight_read_gbs", total / tpot / 1e9, "GB/s", roof, b, extra=common),
+    ]
+
+
+def _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, n_dense, syncs, s, a=None) -> list[Record]:
     steps, b = len(times), cfg.batch
     tpot = statistics.median(times)
     per_step = {k: v / steps for k, v in parts.items()}
@@ -214,7 +235,7 @@ def _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, n_dense, syncs, 
         Record("gpu_idle_fraction", max(0.0, 1 - device_busy / tpot), "fraction", extra=common),
         Record("cpu_idle_fraction", max(0.0, 1 - per_step["cpu_moe"] / tpot), "fraction", extra=common),
     ]
-    for part in DEVICE_PARTS + HOST_PARTS + ("outside_layers",):
+    for part in DEVICE_PARTS + HOST_PARTS + ("outside_layers", "lm_head"):
         if part in per_step:
             out.append(Record(f"split.{part}", per_step[part] * 1e3, "ms/step", extra=common))
     scale = FULL_MOE_LAYERS / n_moe
@@ -225,6 +246,8 @@ def _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, n_dense, syncs, 
     else:
         projected = project(tpot, per_step, n_moe, n_dense)
     out.append(Record("projected_tpot_61_layers", projected, "s", extra={**common, "projection": how}))
+    if on_cpu:
+        out += _all_bytes_records(a, s, common, tpot, roof)
     if s.hw.cpu.mem_bw_gbps and bound > 0:
         frac = min(1.0, bound / tpot)
         t_hw = bounds.read_seconds(bytes_step * scale, s.hw.cpu.mem_bw_gbps * frac)

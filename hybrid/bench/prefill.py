@@ -50,7 +50,8 @@ def _ttft(engine, n: int, streamed: bool = True, loop: dict | None = None, **str
     group, gemm) replaces the plan's; `loop` receives the expert loops' wall and CPU seconds (model thread) when the
     prompt streamed."""
     prompt = torch.randint(2, engine.model.args.vocab_size, (n,)).tolist()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     logits, pipes = engine.prefill(prompt, streamed=streamed, **stream)
     logits.argmax().item()
@@ -59,6 +60,23 @@ def _ttft(engine, n: int, streamed: bool = True, loop: dict | None = None, **str
         loop.update(expert_loop_s=sum(p["expert_loop_s"] for p in pipes),
                     expert_loop_cpu_s=sum(p["expert_loop_cpu_s"] for p in pipes))
     return t
+
+
+def _cpu_only(engine, cfg) -> Records:
+    """Without a GPU: the CPU path's TTFT at each prompt length up to bench.cpu_max_tokens (every token through
+    every layer), with its matmul rate (bounds.prefill_flops / TTFT)."""
+    a, records = engine.model.args, []
+    lengths = [n for n in cfg.prompt_lengths if n <= cfg.cpu_max_tokens]
+    if not lengths or max(lengths) > engine.plan.max_context:
+        raise ConfigError(f"bench=prefill without a GPU times prompts up to bench.cpu_max_tokens="
+                          f"{cfg.cpu_max_tokens} that fit policy.kv.max_context={engine.plan.max_context}")
+    _ttft(engine, min(lengths), streamed=False)  # warm-up
+    for n in lengths:
+        t = _ttft(engine, n, streamed=False)
+        gflop = bounds.prefill_flops(a, n) / 1e9
+        records.append(Record("cpu_path_ttft", t, "s", None, n, extra={"tokens_per_s": n / t, "gflop": gflop,
+                                                                      "gflop_s": gflop / t}))
+    return Records(records, {"plan": engine.plan.params()})
 
 
 def _tile_sweep(engine, n: int, specs) -> list[Record]:
@@ -97,6 +115,8 @@ def run(settings) -> list[Record]:
     for spec in cfg.fp8_tiles:  # before minutes of set-up
         fp8_linear.Tile.parse(spec)
     engine = build(s, s.hw, progress=sys.stderr.isatty())
+    if engine.device.type == "cpu" and s.policy.cpu.moe_backend == "native":
+        return _cpu_only(engine, cfg)
     if engine.device.type != "cuda" or engine.parts["loader"] is None:
         raise ConfigError("bench=prefill streams experts through a GPU: it needs a GPU profile (+hw=...) with CUDA "
                           "and policy.cpu.moe_backend=native")

@@ -100,6 +100,11 @@ def rebuild(engine: Engine, s: HybridConfig, hw: HwConfig) -> Engine:
     return assemble(placed, s, hw, engine)
 
 
+def cpu_lm_head(p, device: torch.device, native: bool) -> str:
+    """The lm_head's form on the CPU (policy.cpu.lm_head), or `bf16` where that knob does not apply."""
+    return p.cpu.lm_head if device.type == "cpu" and native else "bf16"
+
+
 def place_model(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Placed:
     """Load the checkpoint and place it: routed experts on the CPU kernels (pinned for a GPU), the rest on the
     compute device; the FP8 GEMM and fused kernels warmed up."""
@@ -123,7 +128,8 @@ def place_model(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Placed:
         raise ConfigError("policy.cpu.deferred_experts needs policy.cpu.moe_backend=native")
     # Triton compiles now, not in a first long prompt; where it fails, the torch forms run
     fused = pointwise.Fused(pointwise.warm_up(a, device, model.dtype))
-    weight_bytes = place(model, device, p.gpu.weights, gemm, fused, kernel_name(p.cpu.kernel) if native else None)
+    weight_bytes = place(model, device, p.gpu.weights, gemm, fused, kernel_name(p.cpu.kernel) if native else None,
+                         p.cpu.lm_head)
     loader = None
     if device.type == "cuda" and native:
         if a.fp8_block:
@@ -152,6 +158,8 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
         print(f"GPU side: {(placed.weight_bytes + hot_bytes) / 1e9:.2f} GB of weights", file=sys.stderr)
     cache = previous.cache if previous is not None else None
     held = kv_cache_bytes(a, model.dtype, cache.slots, cache.max_context) if cache is not None else 0
+    if placed.loader is not None:  # the last prefill's ring, kept: the next one reuses or frees it
+        held += placed.loader.kept_ring_bytes(device)
     budget = free_bytes(device, p.gpu.memory_budget_gb) + held
     kv = check_kv_cache(a, model.dtype, p.kv.max_batch, p.kv.max_context, budget, device)
     cache = cache or model.new_cache(p.kv.max_batch, p.kv.max_context, device)
@@ -176,7 +184,7 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
             decode = GraphedDecode(model, cache, placed.staging, p.decode.cuda_graphs, p.kv.max_batch)
     plan = Plan(device=device, threads=threads, cpu_kernel=selected(p.cpu.kernel) if placed.native else "torch",
                 cpu_gemm_tile_tokens=p.cpu.gemm_tile_tokens, cpu_amx_min_tokens=p.cpu.amx_min_tokens,
-                moe_backend=p.cpu.moe_backend,
+                moe_backend=p.cpu.moe_backend, cpu_lm_head=cpu_lm_head(p, device, placed.native),
                 deferred_experts=p.cpu.deferred_experts, max_batch=p.kv.max_batch, max_context=p.kv.max_context,
                 batch_cap=p.decode.batch_cap, prefill_chunk_tokens=p.prefill.chunk_tokens,
                 slp_cutoff_tokens=p.prefill.slp_cutoff_tokens, slp_chunk_tokens=chunk,

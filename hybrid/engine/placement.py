@@ -35,6 +35,7 @@ from hybrid.model.moe import MoE, RoutedExperts, Router
 from hybrid.engine.hot_experts import PROJ, HotExperts
 from hybrid.engine.staging import Deferral, Staging
 from hybrid.prefill.ring import expert_tensors, layout
+from hybrid.weights import fp8
 
 
 def _cpu_op(experts: RoutedExperts, kernel: str) -> CpuMoE:
@@ -238,11 +239,12 @@ def cpu_experts(model: nn.Module) -> list[CpuExperts]:
 
 
 def place(model: nn.Module, device: torch.device, gpu_weights: str = "dense", gemm: Fp8Gemm = DEFAULT_GEMM,
-          fused: Fused = FUSED, cpu_kernel: Optional[str] = None) -> int:
+          fused: Fused = FUSED, cpu_kernel: Optional[str] = None, cpu_lm_head: str = "bf16") -> int:
     """Moves everything but the routed experts to `device`, its Linears computing through `gemm` and its norms, RoPE
     and key expansion by `fused`; returns the bytes of weights now on it. On the CPU, `cpu_kernel` (the native
     kernels' variant, when they run the routed experts) puts the Linears on them too (CpuFp8Gemm over `gemm`) and
-    the routed experts in turn with the rest (CpuExperts.overlap off); a BF16 model keeps kv_b dequantised there."""
+    the routed experts in turn with the rest (CpuExperts.overlap off); a BF16 model keeps kv_b dequantised there,
+    and its lm_head is quantised to FP8 when `cpu_lm_head` is `fp8` (policy.cpu.lm_head)."""
     model.to(device)
     if device.type == "cpu" and cpu_kernel is not None:
         gemm = CpuFp8Gemm(cpu_kernel, gemm)
@@ -259,7 +261,20 @@ def place(model: nn.Module, device: torch.device, gpu_weights: str = "dense", ge
     elif device.type == "cpu" and model.dtype == torch.bfloat16:  # float32 (tests) keeps the per-call forms
         for mla in [m for m in model.modules() if isinstance(m, MLA)]:  # attention reads kv_b whole every step
             mla.keep_kv_b(model.dtype)
+        if cpu_kernel is not None and cpu_lm_head == "fp8":
+            lm_head_to_fp8(model.lm_head)
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def lm_head_to_fp8(lin: Linear, block: tuple[int, int] = (128, 128)) -> None:
+    """A BF16 Linear (lm_head) quantised once into block-scaled FP8 (amax / 448 per block, as the checkpoints'
+    FP8 weights), for the native FP8 GEMM: half the bytes per call. The logits change (docs/perf-notes.md)."""
+    if lin.block is not None:
+        return
+    q, scale = fp8.quantize(lin.weight, block, rows=8 * block[0])
+    lin.weight = nn.Parameter(q, requires_grad=False)
+    lin.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+    lin.block = block
 
 
 def _dense(lin: Linear, dtype: torch.dtype) -> None:

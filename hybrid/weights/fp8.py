@@ -28,9 +28,19 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dty
     return (w * expand_scale(scale.to(torch.float32), (n, k), block)).to(dtype)
 
 
-def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-wise FP8 quantisation as the releases do it: scale = amax / 448 per block."""
+def quantize(w: torch.Tensor, block: tuple[int, int], rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise FP8 quantisation as the releases do it: scale = amax / 448 per block. `rows` (a multiple of
+    block[0]; 0 = all): quantised that many rows at a time, so the FP32 temporaries stay that small."""
     n, k = w.shape
+    if 0 < rows < n:
+        if rows % block[0]:
+            raise ValueError(f"quantize: rows={rows} must be a multiple of the block's {block[0]}")
+        q = torch.empty(n, k, dtype=FP8)
+        scale = torch.empty(scale_shape((n, k), block), dtype=torch.float32)
+        for i in range(0, n, rows):
+            q_part, s_part = quantize(w[i:i + rows], block)
+            q[i:i + rows], scale[i // block[0]:i // block[0] + s_part.shape[0]] = q_part, s_part
+        return q, scale
     sn, sk = scale_shape((n, k), block)
     padded = torch.zeros(sn * block[0], sk * block[1], dtype=torch.float32)
     padded[:n, :k] = w.float()
@@ -57,7 +67,8 @@ class NanCodes:
             part = codes[start:start + chunk]
             n = part.numel()
             torch.bitwise_and(part, 0x7F, out=self.low7[:n])
-            count += int(torch.eq(self.low7[:n], 0x7F, out=self.nan[:n]).sum())
+            # count_nonzero: a bool tensor's sum() allocates per call (torch 2.13), which fragments the same way
+            count += int(torch.count_nonzero(torch.eq(self.low7[:n], 0x7F, out=self.nan[:n])))
         return count
 
 

@@ -158,3 +158,13 @@ def test_two_gpu_prefill_bound_and_the_traffic_of_smallep_against_ep():
     assert bounds.smallep_link_bytes(n, d) == n * d * 2, "half the tokens gathered + half the partials, BF16"
     assert bounds.ep_link_bytes(n, d, 8) == 4 * n * d * 2, "N·A·D/S with A = 8, S = 2"
     assert bounds.ep_link_bytes(n, d, 2) == bounds.smallep_link_bytes(n, d), "equal where top-k = GPUs"
+
+
+def test_cpu_decode_bytes_count_every_weight_as_the_cpu_path_reads_it():
+    parts = bounds.cpu_decode_bytes(V3, 1)
+    stored = bounds.decode_step_bytes(V3, 1, whole_model=True)
+    kv_b = 128 * 256 * 512  # [H (N + V), C] elements
+    kv_b_extra = 61 * (2 * kv_b - (kv_b + 4 * 256 * 4))  # BF16 halves in place of FP8 with its 256 x 4 scales
+    assert sum(parts.values()) == pytest.approx(stored + kv_b_extra)
+    fp8_head = bounds.cpu_decode_bytes(V3, 1, lm_head_fp8=True)["lm_head"]
+    assert parts["lm_head"] - fp8_head == 129280 * 7168 - 4 * 1010 * 56

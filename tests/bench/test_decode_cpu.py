@@ -23,3 +23,7 @@ def test_cpu_records_split_the_step_by_layer():
     assert 0 <= records["split.outside_layers"]["value"] < tpot_ms
     assert 0 < records["split.cpu_moe"]["value"] < tpot_ms, "the routed experts alone, the shared experts not in"
     assert "outside the layers, once" in records["projected_tpot_61_layers"]["projection"]
+    assert 0 < records["split.lm_head"]["value"] < tpot_ms
+    bound = records["decode_vs_all_bytes_bound"]
+    assert 0 < bound["value"] <= 1.5 and bound["bound_s"] > 0, "every weight byte over the roof of the same run"
+    assert records["all_bytes_per_token"]["lm_head_mb"] > 0

@@ -29,3 +29,15 @@ def test_plot_is_written_beside_the_json(tmp_path):
 def test_plot_copes_with_one_series(tmp_path, missing):
     recs = [Record(n, 0.2, "s", None, 512) for n in ("slp_ttft", "cpu_path_ttft") if n != missing]
     assert plot_bench("prefill", recs, tmp_path / "p.json").exists()
+
+
+def test_without_a_gpu_the_cpu_path_reports_its_flop_rate():
+    from hybrid.config.compose import compose, to_settings
+    from hybrid.hw.detect import detect
+    from hybrid.run import bench
+
+    s = to_settings(compose(["+hw=cpu_only", "mode=bench", "bench=prefill", "bench.prompt_lengths=[8,16]",
+                             "tracking.enabled=false"]))
+    records = [r for r in bench(s, "cpu_only", detect())["records"] if r["name"] == "cpu_path_ttft"]
+    assert [r["m"] for r in records] == [8, 16]
+    assert all(r["gflop_s"] == pytest.approx(r["gflop"] / r["value"]) for r in records)

@@ -115,3 +115,24 @@ def test_bf16_tokens_through_the_native_path_match_the_torch_path(dense_dir, see
     _, logits = _decode(native, prompt, want)
     wrong = [i for i in decisive if int(logits[i].argmax()) != want[i]]
     assert not wrong, f"teacher-forced arg-max differs at decisive steps {wrong}"
+
+
+def test_the_fp8_lm_head_knob_quantises_lm_head_once_and_keeps_the_logits_close(dense_dir):
+    bf16 = _model(dense_dir, torch.bfloat16, cpu_kernel="auto")
+    q8 = load_model(Checkpoint(dense_dir), torch.bfloat16, progress=False)
+    experts_to_cpu_kernels(q8)
+    place(q8, torch.device("cpu"), cpu_kernel="auto", cpu_lm_head="fp8")
+    assert q8.lm_head.weight.dtype == fp8.FP8 and q8.lm_head.block == (128, 128)
+    assert bf16.lm_head.weight.dtype == torch.bfloat16  # the default keeps the published weights
+    tokens = torch.randint(2, bf16.args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(24)[None]
+    a, b = bf16(tokens, pos), q8(tokens, pos)
+    cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
+    assert cos > 0.999, f"cosine {cos:.5f} between the BF16 and FP8 lm_head's logits"
+
+
+def test_the_lm_head_knob_is_in_the_plan():
+    s = to_settings(compose(["+hw=cpu_only", "policy.cpu.lm_head=fp8"]))
+    engine = build(s, s.hw, progress=False)
+    assert engine.plan.cpu_lm_head == "fp8" and "lm_head fp8" in engine.plan.describe()
+    assert engine.model.lm_head.weight.dtype == fp8.FP8

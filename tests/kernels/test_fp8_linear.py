@@ -38,9 +38,13 @@ def test_stored_weights_go_through_the_gemm_given():
             blocks.append(args[3])
             return fl.DEFAULT_GEMM.linear(*args, **kwargs)
 
+        def dense_linear(self, x, w):
+            blocks.append(None)
+            return fl.DEFAULT_GEMM.dense_linear(x, w)
+
     assert _rel_err(fl.stored_linear(x, q, s, (128, 128), Spy()), ref) < 1e-2 and blocks == [(128, 128)]
     dense = fp8.dequantize(q, s, (128, 128), torch.bfloat16)
-    assert torch.equal(fl.stored_linear(x, dense, None, None, Spy()), x @ dense.t()) and len(blocks) == 1
+    assert torch.equal(fl.stored_linear(x, dense, None, None, Spy()), x @ dense.t()) and blocks == [(128, 128), None]
 
 
 def test_dequantise_into_a_buffer_of_the_wrong_shape_is_refused():
