@@ -9,9 +9,10 @@
 //
 // Weights are converted to FP16 into a small L1 buffer and vcvtph2ps reads them from there (on Zen, from memory
 // it issues faster than from a register and stays off the FMA pipes). Up to 4 tokens, R rows stream from memory
-// (prefetched one row group ahead), the next block converted in the same loop as the current one is multiplied,
-// every token against each converted weight. From 5 tokens on, a tile of 18 rows x 512 columns is converted
-// once and every token is multiplied against it, 3 rows x up to 4 tokens at a time. Every output is the same
+// (the next row group prefetched in address order, see Prefetch), the next block converted in the same loop as
+// the current one is multiplied, 64 columns per pass, every token against each converted weight. From 5 tokens
+// on, a tile of 18 rows x 512 columns is converted once and every token is multiplied against it, 3 rows x up to
+// 4 tokens at a time. Every output is the same
 // sequence of fp32 operations on every path (per block: 8-column FMAs in column order, then one FMA with the
 // block scale; one horizontal sum at the end), so a token's result does not depend on the batch it came in.
 #include <immintrin.h>
@@ -157,52 +158,100 @@ struct Job {
   const uint16_t* w16(int64_t n) const { return static_cast<const uint16_t*>(p.w) + n * p.ldw; }
 };
 
-// Columns [c, c + 16) of rows 0..R-1 into the ring, prefetching `ahead` bytes on (0: none).
+// Software prefetch of the next row group while a group streams: at each cache line of columns (c, a multiple
+// of 64) one line per row, the line for (c, r) at w + ahead + (c / 64) * per_line + r * per_row. Rows stored back
+// to back (ldw == K) take the group's bytes in address order (per_line = R * 64, per_row = 64): one sequential
+// stream, which memory serves faster than R streams one row apart, most of all for short rows (the down
+// projection's 2 KB: see docs/perf-notes.md); other strides the same columns of the next rows (64, ldw).
+// ahead = 0: none.
+struct Prefetch {
+  int64_t ahead, per_line, per_row;
+  void at(const uint8_t* w, int64_t c, int r) const {
+    _mm_prefetch(reinterpret_cast<const char*>(w + ahead + (c >> 6) * per_line + r * per_row), _MM_HINT_T1);
+  }
+};
+
+template <int R>
+Prefetch next_group(int64_t ldw, int64_t K) {
+  return ldw == K ? Prefetch{R * ldw, R * 64, 64} : Prefetch{R * ldw, 64, ldw};
+}
+
+// Columns [c, c + 16) of rows 0..R-1 into the ring, with the prefetch at each cache line.
 template <int R, bool kTail>
-inline void convert_step(const uint8_t* w, int64_t ldw, int64_t K, int64_t c, uint16_t* ring, int64_t ahead) {
+inline void convert_step(const uint8_t* w, int64_t ldw, int64_t K, int64_t c, uint16_t* ring, const Prefetch& pf) {
   for (int r = 0; r < R; ++r) {
     const uint8_t* p = w + r * ldw + c;
     uint16_t* h = ring + r * kRing + (c & (kRing - 1));
-    if (ahead && (c & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T1);
+    if (pf.ahead && (c & 63) == 0) pf.at(w, c, r);
     if (kTail && c + kStep > K) fp8_to_fp16_tail(p, K - c, h);
     else fp8_to_fp16(p, h);
   }
 }
 
-template <int R>
-void convert_block(const uint8_t* w, int64_t ldw, int64_t K, int64_t k0, uint16_t* ring, int64_t ahead) {
-  for (int64_t c = k0; c < lo(K, k0 + kBlock); c += kStep) convert_step<R, true>(w, ldw, K, c, ring, ahead);
+// Columns [c, c + 16) of rows 0..R-1 (full, c a multiple of 16) into the ring at h (the columns' place in it);
+// kLine: c starts a cache line, so the prefetch goes with it (with Prefetch{} it touches this group's first
+// line: harmless).
+template <int R, bool kLine>
+inline void convert_rows(const uint8_t* w, int64_t ldw, int64_t c, uint16_t* h, const Prefetch& pf) {
+  for (int r = 0; r < R; ++r) {
+    if (kLine) pf.at(w, c, r);
+    fp8_to_fp16(w + r * ldw + c, h + r * kRing);
+  }
 }
 
-// Decode: rows n..n+R-1 (one scale row) against all M = MT tokens. FP8 rows are converted one block ahead of
-// the multiply, in the same loop, so conversion and FMAs overlap.
+template <int R>
+void convert_block(const uint8_t* w, int64_t ldw, int64_t K, int64_t k0, uint16_t* ring, const Prefetch& pf) {
+  for (int64_t c = k0; c < lo(K, k0 + kBlock); c += kStep) convert_step<R, true>(w, ldw, K, c, ring, pf);
+}
+
+// Decode, FP8: rows w[0..R-1] (one scale row, `srow`) against tokens x[0..MT-1], into tot[r * MT + m]; each row
+// converted one block ahead of the multiply, in the same loop, so conversion and FMAs overlap. Everything comes
+// by value: the ring's stores may alias any memory, so fields read through a pointer would be read again after
+// each of them.
 template <int R, int MT>
-void stream_rows(const Job& j, int64_t n, int64_t ahead) {
+void stream_fp8(const uint8_t* w, int64_t ldw, int64_t K, const float* srow, const float* x, int64_t ldx,
+                uint16_t* buf, const Prefetch pf, __m256* tot) {
+  const Fp16Ring ring{buf};
+  const int64_t blocks = (K + kBlock - 1) / kBlock;
+  convert_block<R>(w, ldw, K, 0, buf, pf);
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    const int64_t k0 = kb * kBlock, k1 = lo(K, k0 + kBlock);
+    const bool next_full = k1 + kBlock <= K;
+    if (!next_full && k1 < K) convert_block<R>(w, ldw, K, k1, buf, pf);
+    __m256 blk[R][MT];
+    zero(blk);
+    if (next_full) {
+      // 64 columns (one cache line of each row) per pass: one prefetch per row, then three steps without.
+      // Ring offsets fixed per pass (64 columns never wrap the ring).
+      for (int64_t k = k0; k < k1; k += 4 * kStep) {
+        const Fp16Tile cur{buf + (k & (kRing - 1)), kRing, k};
+        const int64_t c = k + kBlock;
+        uint16_t* dst = buf + (c & (kRing - 1));
+        convert_rows<R, true>(w, ldw, c, dst, pf);
+        step<R, MT, false>(cur, x, ldx, k, 0, blk);
+        convert_rows<R, false>(w, ldw, c + kStep, dst + kStep, pf);
+        step<R, MT, false>(cur, x, ldx, k + kStep, 0, blk);
+        convert_rows<R, false>(w, ldw, c + 2 * kStep, dst + 2 * kStep, pf);
+        step<R, MT, false>(cur, x, ldx, k + 2 * kStep, 0, blk);
+        convert_rows<R, false>(w, ldw, c + 3 * kStep, dst + 3 * kStep, pf);
+        step<R, MT, false>(cur, x, ldx, k + 3 * kStep, 0, blk);
+      }
+    } else {
+      for (int64_t k = k0; k < k1; k += kStep) step<R, MT, false>(ring, x, ldx, k, 0, blk);
+    }
+    post_scale(blk, srow[kb] * kFp8Post, tot, MT);
+  }
+}
+
+// Decode: rows n..n+R-1 (one scale row) against all M = MT tokens.
+template <int R, int MT>
+void stream_rows(const Job& j, int64_t n, const Prefetch& pf) {
   const GemmProblem& p = j.p;
   __m256 tot[R * MT];
   for (int i = 0; i < R * MT; ++i) tot[i] = _mm256_setzero_ps();
   const int64_t blocks = (p.K + kBlock - 1) / kBlock;
   if (j.fp8()) {
-    const uint8_t* w = j.w8(n);
-    const float* srow = j.srow(n);
-    const Fp16Ring ring{j.buf};
-    convert_block<R>(w, p.ldw, p.K, 0, j.buf, ahead);
-    for (int64_t kb = 0; kb < blocks; ++kb) {
-      const int64_t k0 = kb * kBlock, k1 = lo(p.K, k0 + kBlock);
-      const bool next_full = k1 + kBlock <= p.K;
-      if (!next_full && k1 < p.K) convert_block<R>(w, p.ldw, p.K, k1, j.buf, ahead);
-      __m256 blk[R][MT];
-      zero(blk);
-      if (next_full) {
-        for (int64_t k = k0; k < k1; k += kStep) {
-          convert_step<R, false>(w, p.ldw, p.K, k + kBlock, j.buf, ahead);
-          step<R, MT, false>(ring, j.x, j.ldx, k, 0, blk);
-        }
-      } else {
-        for (int64_t k = k0; k < k1; k += kStep) step<R, MT, false>(ring, j.x, j.ldx, k, 0, blk);
-      }
-      post_scale(blk, srow[kb] * kFp8Post, tot, MT);
-    }
+    stream_fp8<R, MT>(j.w8(n), p.ldw, p.K, j.srow(n), j.x, j.ldx, j.buf, pf, tot);
   } else {
     multiply<R, MT>(Bf16Rows{j.w16(n), p.ldw}, j.x, j.ldx, p.K, 0, blocks, nullptr, 1.0f, tot, MT);
   }
@@ -216,13 +265,13 @@ void stream(const Job& j, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1;) {
     const int64_t fit = lo(n1 - n, kBlock - n % kBlock);
     if (fit >= R) {
-      stream_rows<R, MT>(j, n, R * j.p.ldw);
+      stream_rows<R, MT>(j, n, next_group<R>(j.p.ldw, j.p.K));
       n += R;
     } else if (R > 2 && fit >= 2) {
-      stream_rows<2, MT>(j, n, 0);
+      stream_rows<2, MT>(j, n, Prefetch{});
       n += 2;
     } else {
-      stream_rows<1, MT>(j, n, 0);
+      stream_rows<1, MT>(j, n, Prefetch{});
       n += 1;
     }
   }
