@@ -94,6 +94,7 @@ class Worker:
         except (OSError, subprocess.TimeoutExpired):
             pass
         stop_group(self.proc, grace_s=2.0)
+        _close_pipes(self.proc)
         self.proc = None
 
     def run(self, key: tuple[str, ...], request: dict, timeout_s: float, log_path: Path,
@@ -119,6 +120,7 @@ class Worker:
         pid = self.proc.pid
         if reply == "deadline":
             stop_group(self.proc, grace_s=3.0)
+            _close_pipes(self.proc)
             self.proc = None
         elif reply is None or not reply.get("alive", True):
             try:
@@ -153,14 +155,27 @@ class Worker:
 
 
 def _read_replies(stream, replies: queue.Queue) -> None:
-    for line in stream:
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                replies.put(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    try:
+        for line in stream:
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    replies.put(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    except (ValueError, OSError):  # the pipe closed under us: the worker was stopped
+        pass
     replies.put(None)  # end of stream: the worker is gone
+
+
+def _close_pipes(proc: subprocess.Popen) -> None:
+    """A stopped worker's pipes, closed now rather than whenever the garbage collector gets to them."""
+    for pipe in (proc.stdin, proc.stdout):
+        try:
+            if pipe is not None:
+                pipe.close()
+        except OSError:
+            pass
 
 
 def _copy_log(worker_log: Path, offset: int, trial_log: Path) -> str:

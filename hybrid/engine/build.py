@@ -149,6 +149,8 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
     same_hot = previous is not None and previous.plan.gpu_experts_per_layer == p.gpu.experts_per_layer
     if same_hot:
         hot = previous.parts["hot"]
+        for h in hot:  # each engine starts cold: a trial's hot set is its own traffic's, not earlier trials'
+            h.reset()
     else:
         if previous is not None and previous.parts["hot"]:
             hot_experts_to_device(model, 0, device)  # the old slots go before the new are counted against the budget

@@ -59,6 +59,13 @@ class HotExperts(nn.Module):
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers())
 
+    def reset(self) -> None:
+        """Cold again: no routing counted, no expert resident (the slot buffers stay where they are, so graphs
+        captured with them stay valid)."""
+        self.counts.zero_()
+        self.slot_of.fill_(-1)
+        self.resident = [-1] * self.n
+
     def observe(self, ids_TK: torch.Tensor) -> None:
         """Count the routing (on the device, no synchronisation)."""
         flat = ids_TK.flatten().to(self.counts.device)

@@ -52,6 +52,10 @@ def test_routing_counts_pick_the_hottest_and_slots_stay_put(tiny_dir):
     after = h.refresh()
     assert sorted(after) == [5, 11, 12] and after.index(5) == first.index(5)
     assert int((h.slot_of >= 0).sum()) == 3 and all(h.slot_of[e] == j for j, e in enumerate(after))
+    buffers = h.gate_proj_w.data_ptr()
+    h.reset()  # a rebuilt engine's start: cold, the slot buffers where they were
+    assert h.resident == [-1, -1, -1] and int((h.slot_of >= 0).sum()) == 0 and not h.counts.any()
+    assert h.gate_proj_w.data_ptr() == buffers and h.refresh() == [-1, -1, -1]
 
 
 def test_resident_experts_take_their_share_off_the_cpu_and_the_sum_is_unchanged(tiny_dir):
