@@ -145,7 +145,8 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
     p, model, device = s.policy, placed.model, placed.device
     a = model.args
     threads = cpu_threads(p, hw)
-    configure_cpu(threads, p.cpu.gemm_tile_tokens, p.cpu.amx_min_tokens)
+    if previous is not None:  # a fresh build's place_model set them already, from the same policy
+        configure_cpu(threads, p.cpu.gemm_tile_tokens, p.cpu.amx_min_tokens)
     same_hot = previous is not None and previous.plan.gpu_experts_per_layer == p.gpu.experts_per_layer
     if same_hot:
         hot = previous.parts["hot"]

@@ -45,7 +45,7 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):
     for sc, n in (("1D", 1), ("2D", 2), ("1P+1D", 1), ("1P+2D", 2)):
         tpot, tok = recs[("tpot_s", sc)], recs[("decode_tok_s", sc)]
         assert tpot["m"] == n and 0 < tpot["value"] < 5
-        assert tok["bound"] and 0 < tok["value"] < 10 * tok["bound"]  # bounded by the roof (noisy on 2 cores)
+        assert tok["bound"] and 0 < tok["value"] <= 1.2 * tok["bound"]  # never past the roof's bound (noise aside)
     assert 0 < recs[("ttft_s", "1P")]["value"] and "vs_1P" in recs[("ttft_s", "1P+1D")]
     for sc in ("1P+1D", "1P+2D"):
         ratio = recs[("tpot_ratio", sc)]
