@@ -81,4 +81,9 @@ def test_what_the_kernel_does_not_take_goes_through_torch_unchanged():
     assert gemm.path(x, (128, 64), 4) == "torch"
     assert torch.equal(gemm.linear(x, q, s64, (128, 64)), fl.DEFAULT_GEMM.linear(x, q, s64, (128, 64)))
     dense = fp8.dequantize(q, s, BLOCK, torch.bfloat16)
-    assert torch.equal(fl.stored_linear(x, dense, None, None, gemm), x @ dense.t()), "BF16 weights: torch"
+    # BF16 weights with BF16 activations take the native BF16 GEMM (FP32 sums, one rounding: the lm_head and the
+    # router), whatever torch's own BF16 GEMM does on this CPU; float32 activations keep torch's path exactly
+    y = fl.stored_linear(x, dense, None, None, gemm)
+    assert torch.equal(y, fl.cpu_gemm(x, dense, None, kernel=gemm.kernel).to(torch.bfloat16)), "BF16 weights: native"
+    _vs_float64(y, x.double() @ dense.double().t(), "BF16 weights", "auto")
+    assert torch.equal(fl.stored_linear(x32, dense, None, None, gemm), x32 @ dense.float().t()), "float32: torch"
