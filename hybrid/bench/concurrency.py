@@ -12,7 +12,10 @@ and the worst step: a held prefill is one long step) and their ratio; the prompt
 decode tokens/s against the bound measured in the same run — the routed-expert bytes a step of n reads ÷ the read
 roof, and while a prompt streams through the GPU, ÷ the roof less the stream's copy rate (min(cap, pinned H2D
 rate)): the stream reads the same DRAM. `bench.stream_caps` repeats 1P+1D with the prompt beside decode at each cap
-(the trade-off curve: cap → TPOT ratio, TTFT; plotted beside the JSON).
+(the trade-off curve: cap → TPOT ratio, TTFT; plotted beside the JSON). `bench.dual_batch` repeats the nD
+scenarios (n >= 2) with policy.decode.dual_batch flipped, side by side in one run: with the overlap, a step is
+bounded by max(the CPU's expert bytes ÷ the roof, the GPU's time per step), the GPU's time taken from the run
+without overlap as its step time less the CPU experts' time (the graphs' native jobs clock them: GPU runs only).
 """
 from __future__ import annotations
 
@@ -89,6 +92,12 @@ def _intervals(times: list[float], start: float, end: float) -> list[float]:
     return [b - a for a, b in zip(times, times[1:]) if b > start and a < end]
 
 
+def _cpu_experts_s(engine) -> Optional[float]:
+    """The CPU experts' time so far in graphed decode steps (their native jobs' own clocks); None when eager."""
+    graphs = engine.parts.get("graphs")
+    return None if graphs is None else sum(job.cpu_s for job in graphs.jobs())
+
+
 def _run_scenario(engine, sc: Scenario, d_prompts, p_prompt, new_tokens: int) -> dict:
     drv = _Driver(engine)
     room = engine.plan.max_context
@@ -96,10 +105,12 @@ def _run_scenario(engine, sc: Scenario, d_prompts, p_prompt, new_tokens: int) ->
     out: dict = {}
     if ds:
         drv.until(lambda: all(len(drv.times[r]) >= 2 for r in ds), "the decodes' first tokens")
-        t0 = time.perf_counter()
+        cpu0, t0 = _cpu_experts_s(engine), time.perf_counter()
         drv.steps(new_tokens)
-        t1 = time.perf_counter()
+        t1, cpu1 = time.perf_counter(), _cpu_experts_s(engine)
         out["before"] = [g for r in ds for g in _intervals(drv.times[r], t0, t1)]
+        if cpu0 is not None and not sc.prompts:  # the GPU's share of a step: what the CPU experts leave of it
+            out["gpu_s"] = ((t1 - t0) - (cpu1 - cpu0)) / new_tokens
         out["before_tok_s"] = sum(t0 < t <= t1 for r in ds for t in drv.times[r]) / (t1 - t0)
     if sc.prompts:
         p = drv.add(p_prompt, 1)
@@ -183,7 +194,47 @@ def measure(engine, s) -> Records:
                 rec.extra["stream_cap_gbps"] = cap
             records += recs
             _say(sc, r)
+    if b.dual_batch:
+        records += _dual_batch(engine, s, [sc for sc in scenarios if not sc.prompts and sc.decodes >= 2], results,
+                               d_prompts, roof, bytes_per_decode_step)
     return Records(records, {"plan": plan})
+
+
+def _dual_batch(engine, s, scenarios: list[Scenario], results: dict, d_prompts, roof: float, step_bytes) -> list:
+    """The nD scenarios again with policy.decode.dual_batch flipped (one rebuild): decode tok/s of both ways side
+    by side, against the overlap's bound max(expert bytes ÷ roof, GPU time per step) and the serial bound."""
+    from hybrid.engine.build import rebuild
+
+    if not scenarios:
+        print("bench=concurrency: bench.dual_batch needs an nD scenario with n >= 2", file=sys.stderr)
+        return []
+    was = engine.plan.dual_batch
+    p = replace(s.policy, decode=replace(s.policy.decode, dual_batch=not was))
+    engine = rebuild(engine, replace(s, policy=p), s.hw)
+    for n in sorted({sc.decodes for sc in scenarios}):  # warm-up: the micro-batches' graphs
+        _run_scenario(engine, Scenario(f"{n}D", 0, n), d_prompts, None, 4)
+    out = []
+    for sc in scenarios:
+        flipped = _run_scenario(engine, sc, d_prompts, None, s.bench.new_tokens)
+        by_way = {was: results[sc.name], not was: flipped}
+        serial = by_way[False]
+        for dual, r in by_way.items():
+            tok = Record("decode_tok_s", r["before_tok_s"], "tok/s", m=sc.decodes,
+                         extra={"scenario": sc.name, "dual_batch": dual, "vs_no_overlap":
+                                r["before_tok_s"] / serial["before_tok_s"]})
+            if roof:
+                cpu_step = step_bytes(engine, sc.decodes) / (roof * 1e9)
+                gpu_step = serial.get("gpu_s")
+                tok.extra["cpu_experts_step_s"] = cpu_step
+                if gpu_step is not None:
+                    tok.extra["gpu_step_s"] = gpu_step
+                # with the overlap, the slower side; without, both in turn
+                step = max(cpu_step, gpu_step or 0) if dual else cpu_step + (gpu_step or 0)
+                tok.bound = sc.decodes / step
+            out.append(tok)
+        print(f"  {sc.name}: {serial['before_tok_s']:.1f} tok/s without overlap, "
+              f"{by_way[True]['before_tok_s']:.1f} with dual-batch overlap", file=sys.stderr)
+    return out
 
 
 def _records(engine, sc: Scenario, results: dict, roof: float, h2d: float, prompt_tokens: int,

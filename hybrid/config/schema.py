@@ -163,6 +163,7 @@ class DecodePolicy:
     """Decode steps and the requests batched into them."""
     batch_cap: int = 6  # most requests running at once (holding a KV slot: prefilling or decoding)
     cuda_graphs: str = "hostfn"  # CUDA graphs: hostfn (one graph, CPU hand-off as host nodes) | segments | off
+    dual_batch: bool = False  # >= 2 decoding: two micro-batches, one's GPU work beside the other's CPU experts
 
     def __post_init__(self) -> None:
         _at_least(self, "decode", 1, "batch_cap")
@@ -259,6 +260,7 @@ class BenchConfig:
     scenarios: List[str] = field(default_factory=lambda: ["1D", "2D", "4D", "1P", "1P+1D", "1P+2D"])
     long_prompt_tokens: int = 32768  # P's prompt
     stream_caps: List[float] = field(default_factory=list)  # 1P+1D again at each policy.prefill.stream_cap_gbps (0: none)
+    dual_batch: bool = False  # concurrency: the nD scenarios (n >= 2) again with policy.decode.dual_batch flipped
 
     def __post_init__(self) -> None:
         if (min([*self.ms, *self.moe_tokens, *self.gemm_rows, *self.group_sweep, *self.batches], default=1) < 1

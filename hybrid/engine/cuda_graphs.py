@@ -19,15 +19,22 @@ capture; for its duration each MoE layer's CPU experts are swapped for `Captured
 hand-off) and share one memory pool; they are replayed one at a time on one stream. A step whose capture fails runs
 eagerly (with a warning), and so does every later step of that shape.
 
+Dual-batch decode (`policy.decode.dual_batch`, `GraphedDecode.dual`): a step's requests as two micro-batches, each
+with graphs of its own (a lane: segments whatever the mode, its own memory pool, staging buffers and stream).
+`interleave` enqueues one micro-batch's GPU segment, then the other's, and runs the CPU experts of each in turn
+from Python, so the GPU computes one micro-batch's attention and shared experts while the CPU computes the other's
+routed experts. One CPU op runs at a time: a layer's native MoE op serves both micro-batches in turn.
+
 Legend: B batch (sequences), V vocabulary.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager, Sequence
 
 import torch
 
@@ -124,7 +131,7 @@ class _SegmentCapture:
             staged.synchronize()
             _submit(job.address)
             _wait(job.address)
-        self.steps.append(cpu_moe)
+        self.steps.append(CpuStep(cpu_moe))
         self._open()
 
     def finish(self) -> list[Callable[[], None]]:
@@ -167,9 +174,33 @@ class _Graph:
     jobs: list  # (native job, CpuMoE) per MoE layer
 
 
+class _Lane:
+    """Graphs captured for one stream of decode steps: their capture mode, their memory pool, the static inputs by
+    batch size, the staging lane their hand-offs copy through. Lane 0 serves single-batch steps; dual-batch decode
+    replays lanes 1 and 2 at once, so they share neither a pool nor staging buffers with each other."""
+
+    def __init__(self, index: int, mode: str, device: torch.device):
+        self.index, self.mode, self.device = index, mode, device
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.eager: set[tuple[int, int]] = set()  # shapes whose capture failed
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device) if index else None  # lane 0 replays on the caller's stream
+
+    def load(self, tokens_B1: torch.Tensor, pos_B1: torch.Tensor, slots_B: torch.Tensor):
+        """The step's inputs copied into this lane's static tensors for its batch size."""
+        b = tokens_B1.shape[0]
+        if b not in self.inputs:
+            zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=self.device)  # noqa: E731
+            self.inputs[b] = (zeros(b, 1), zeros(b, 1), torch.arange(b, device=self.device))
+        for dst, src in zip(self.inputs[b], (tokens_B1, pos_B1, slots_B)):
+            dst.copy_(src, non_blocking=True)
+        return self.inputs[b]
+
+
 class GraphedDecode:
     """decode(tokens_B1, pos_B1, slots_B, kv_len) -> logits_BV through captured graphs (same result as
-    `model(...)[:, -1]`)."""
+    `model(...)[:, -1]`); `dual(...)` runs two micro-batches' steps overlapped."""
 
     def __init__(self, model: Transformer, cache: KVCache, staging: Staging, mode: str, max_batch: int):
         if mode not in MODES[1:]:
@@ -177,72 +208,106 @@ class GraphedDecode:
         if any(isinstance(layer, DeferredCpuExperts) for layer in cpu_experts(model)):
             raise ValueError("CUDA graphs need policy.cpu.deferred_experts=0")
         self.model, self.cache, self.staging, self.mode = model, cache, staging, mode
+        self.max_batch = max_batch
         self.device = next(model.parameters()).device
-        self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.eager: set[tuple[int, int]] = set()  # shapes whose capture failed
-        self.pool = torch.cuda.graph_pool_handle()
+        self.main = _Lane(0, mode, self.device)
+        self.lanes: list[_Lane] = []  # dual-batch decode's two lanes, made on first use
         staging.reserve(max_batch)
+
+    @property
+    def graphs(self) -> dict[tuple[int, int], _Graph]:
+        """The single-batch steps' graphs, by (batch size, KV-length bucket)."""
+        return self.main.graphs
 
     def __call__(self, tokens_B1: torch.Tensor, pos_B1: torch.Tensor, slots_B: torch.Tensor,
                  kv_len: int, capture: bool = True) -> torch.Tensor:
         """One decode step, replaying the graph of its shape; a shape not captured yet is captured first, or with
         `capture` False (another thread is using the GPU: a capture would catch its calls) runs eagerly this time."""
-        b = tokens_B1.shape[0]
-        key = (b, kv_bucket(kv_len, self.cache.max_context))
-        tokens, pos, slots = self._inputs(b)
-        tokens.copy_(tokens_B1, non_blocking=True)
-        pos.copy_(pos_B1, non_blocking=True)
-        slots.copy_(slots_B, non_blocking=True)
-        if key in self.eager:
-            return self._run(b, key[1])  # at the graphs' KV length: the same numbers as a replay
-        graph = self.graphs.get(key)
-        if graph is None and not capture:
-            return self._run(b, key[1])  # at the graphs' KV length: the same numbers as a replay
+        lane = self.main
+        key = (tokens_B1.shape[0], kv_bucket(kv_len, self.cache.max_context))
+        lane.load(tokens_B1, pos_B1, slots_B)
+        graph = self._graph(lane, key, capture)
         if graph is None:
-            try:
-                graph = self._capture(*key)
-            except RuntimeError as e:  # e.g. an operation CUDA graphs cannot hold: this shape runs eagerly
-                print(f"warning: decode step of batch {b}, KV length {key[1]} runs eagerly: CUDA graph capture "
-                      f"failed ({str(e).splitlines()[0]})", file=sys.stderr)
-                self.eager.add(key)
-                return self._run(b, key[1])  # at the graphs' KV length: the same numbers as a replay
+            return self._run(lane, *key)  # at the graphs' KV length: the same numbers as a replay
         for step in graph.steps:
             step()
         torch.cuda.current_stream().synchronize()  # the sampler reads the logits next anyway
-        failed = [job for job, _ in graph.jobs if job.error]
+        self._raise_failed([graph])
+        return graph.logits
+
+    def dual(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
+             capture: bool = True) -> list[torch.Tensor]:
+        """Two micro-batches' decode steps (each (tokens_B1, pos_B1, slots_B, kv_len)) at once: each lane's graph
+        segments on its own stream, interleaved at the CPU hand-offs (`interleave`), so one micro-batch's GPU work
+        runs while the CPU computes the other's routed experts. Each micro-batch gets the logits its own step would
+        give. A shape that cannot be replayed (no capture allowed now, or its capture failed) runs both steps one
+        after the other instead."""
+        if len(parts) != 2:
+            raise ValueError(f"dual-batch decode takes two micro-batches, got {len(parts)}")
+        if not self.lanes:
+            for i in (1, 2):
+                self.staging.reserve(self.max_batch, lane=i)
+            self.lanes = [_Lane(i, "segments", self.device) for i in (1, 2)]
+        graphs = []
+        for lane, (tokens_B1, pos_B1, slots_B, kv_len) in zip(self.lanes, parts):
+            key = (tokens_B1.shape[0], kv_bucket(kv_len, self.cache.max_context))
+            lane.load(tokens_B1, pos_B1, slots_B)
+            graphs.append(self._graph(lane, key, capture))
+        if any(g is None for g in graphs):
+            return [self(*part, capture=capture) for part in parts]
+        main = torch.cuda.current_stream()
+        for lane in self.lanes:  # the inputs copied on the caller's stream come first
+            lane.stream.wait_stream(main)
+        interleave([(functools.partial(torch.cuda.stream, lane.stream), g.steps)
+                    for lane, g in zip(self.lanes, graphs)])
+        for lane in self.lanes:
+            main.wait_stream(lane.stream)
+        main.synchronize()
+        self._raise_failed(graphs)
+        return [g.logits for g in graphs]
+
+    def jobs(self) -> list:
+        """The native jobs of every captured graph (their own timings: cpu_s, calls)."""
+        return [job for lane in (self.main, *self.lanes) for g in lane.graphs.values() for job, _ in g.jobs]
+
+    @staticmethod
+    def _raise_failed(graphs: list[_Graph]) -> None:
+        failed = [job for g in graphs for job, _ in g.jobs if job.error]
         if failed:
             errors = [job.error for job in failed]
             for job in failed:  # seen: the jobs run again next step
                 job.error = ""
             raise RuntimeError("CPU experts in a graphed decode step: " + "; ".join(errors))
-        return graph.logits
 
-    def jobs(self) -> list:
-        """The native jobs of every captured graph (their own timings: cpu_s, calls)."""
-        return [job for g in self.graphs.values() for job, _ in g.jobs]
+    def _graph(self, lane: _Lane, key: tuple[int, int], capture: bool):
+        """The lane's graph for this shape, captured now if allowed; None: this step runs eagerly."""
+        if key in lane.eager:
+            return None
+        graph = lane.graphs.get(key)
+        if graph is None and capture:
+            try:
+                graph = self._capture(lane, *key)
+            except RuntimeError as e:  # e.g. an operation CUDA graphs cannot hold: this shape runs eagerly
+                print(f"warning: decode step of batch {key[0]}, KV length {key[1]} runs eagerly: CUDA graph capture "
+                      f"failed ({str(e).splitlines()[0]})", file=sys.stderr)
+                lane.eager.add(key)
+        return graph
 
-    def _inputs(self, b: int):
-        if b not in self.inputs:
-            zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=self.device)  # noqa: E731
-            self.inputs[b] = (zeros(b, 1), zeros(b, 1), torch.arange(b, device=self.device))
-        return self.inputs[b]
-
-    def _run(self, b: int, kv_len: int) -> torch.Tensor:
-        tokens, pos, slots = self.inputs[b]
+    def _run(self, lane: _Lane, b: int, kv_len: int) -> torch.Tensor:
+        tokens, pos, slots = lane.inputs[b]
         return self.model(tokens, pos, self.cache, slots, kv_len=kv_len)[:, -1]
 
-    def _capture(self, b: int, kv_len: int) -> _Graph:
+    def _capture(self, lane: _Lane, b: int, kv_len: int) -> _Graph:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._run(b, kv_len)  # warm-up (lazy initialisation must not happen during capture)
+        with torch.cuda.stream(side), self.staging.lane(lane.index):
+            self._run(lane, b, kv_len)  # warm-up (lazy initialisation must not happen during capture)
             side.synchronize()
-            capture = (_HostFnCapture if self.mode == "hostfn" else _SegmentCapture)(self.pool)
+            capture = (_HostFnCapture if lane.mode == "hostfn" else _SegmentCapture)(lane.pool)
             try:
                 _, restore = swap_experts(self.model, lambda layer: CapturedExperts(layer, capture))
                 try:
-                    logits = self._run(b, kv_len)
+                    logits = self._run(lane, b, kv_len)
                 finally:
                     restore()
             except BaseException:
@@ -252,5 +317,44 @@ class GraphedDecode:
             steps = capture.finish()
         torch.cuda.current_stream().wait_stream(side)
         graph = _Graph(steps, logits, capture.jobs)
-        self.graphs[(b, kv_len)] = graph
+        lane.graphs[(b, kv_len)] = graph
         return graph
+
+
+class CpuStep:
+    """A step that runs on the CPU and returns when done (the routed experts of a graph segment's hand-off): where
+    interleaved decode steps switch to the other micro-batch."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self.fn = fn
+
+    def __call__(self) -> None:
+        self.fn()
+
+
+def interleave(lanes: Sequence[tuple[Callable[[], ContextManager], Sequence[Callable[[], None]]]]) -> None:
+    """Runs every lane's steps in its own order, switching lanes at each CPU step (dual-batch overlap). A lane's
+    steps up to its next CPU step are GPU work, enqueued within its context (its stream) without waiting; then the
+    next lane's. A lane's CPU step blocks, and meanwhile the GPU works through what the other lanes enqueued:
+
+        A: gpu0 | B: gpu0 | A: cpu0, gpu1 | B: cpu0, gpu1 | A: cpu1, gpu2 | ...
+
+    so the CPU computes A's experts while the GPU runs B's attention, and the other way round. One CPU step at a
+    time: the native MoE op of a layer serves both micro-batches in turn."""
+    at = [0] * len(lanes)
+
+    def enqueue(i: int) -> None:
+        context, steps = lanes[i]
+        with context():
+            while at[i] < len(steps) and not isinstance(steps[at[i]], CpuStep):
+                steps[at[i]]()
+                at[i] += 1
+
+    for i in range(len(lanes)):
+        enqueue(i)
+    while any(a < len(steps) for a, (_, steps) in zip(at, lanes)):
+        for i, (_, steps) in enumerate(lanes):
+            if at[i] < len(steps):
+                steps[at[i]]()  # a CPU step: the lane's previous GPU work is what it waits for
+                at[i] += 1
+                enqueue(i)

@@ -264,13 +264,16 @@ class Engine:
             self._prefilled(b.chunk, b.logits, changed)
 
     def _decode_step(self, live: list[Request], changed: dict[int, Request]) -> None:
-        dev = self.device
-        positions = [r.position - 1 for r in live]  # the last generated token goes in at its position
+        groups = micro_batches(live) if self.plan.dual_batch else [live]
+        capture = self._beside is None  # no graph capture while another thread uses the GPU
         try:
-            logits = self._decode(torch.tensor([[r.output[-1]] for r in live], device=dev),
-                                  torch.tensor([[p] for p in positions], device=dev),
-                                  torch.tensor([r.slot for r in live], device=dev), max(positions) + 1,
-                                  capture=self._beside is None)
+            parts = [self._decode_inputs(g) for g in groups]
+            dual = getattr(self._decode, "dual", None)
+            if len(parts) == 2 and dual is not None:  # overlapped: one's GPU work beside the other's CPU experts
+                outs = dual(parts, capture=capture)
+            else:  # eager decode and the CPU: the micro-batches in turn
+                outs = [self._decode(*part, capture=capture) for part in parts]
+            logits = torch.cat(outs) if len(outs) > 1 else outs[0]
             tokens = choose(logits, [self._samplers[r.id] for r in live])
         except Exception as e:  # the batch's requests fail together; the engine goes on
             self._fail(live, e, changed)
@@ -280,6 +283,15 @@ class Engine:
                 self._fail([req], token, changed)
             else:
                 self._append(req, token, changed)
+
+    def _decode_inputs(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """A decode step's (tokens_B1, pos_B1, slots_B, kv_len) for these requests: each one's last token at its
+        position."""
+        dev = self.device
+        positions = [r.position - 1 for r in reqs]
+        return (torch.tensor([[r.output[-1]] for r in reqs], device=dev),
+                torch.tensor([[p] for p in positions], device=dev),
+                torch.tensor([r.slot for r in reqs], device=dev), max(positions) + 1)
 
     def _eager_decode(self, tokens_B1, pos_B1, slots_B, kv_len: int, capture: bool = True) -> torch.Tensor:
         return self.model(tokens_B1, pos_B1, self.cache, slots_B, kv_len=kv_len)[:, -1]
@@ -433,6 +445,15 @@ class _Beside:
             self.error = e
         finally:
             self.done.set()
+
+
+def micro_batches(live: list[Request]) -> list[list[Request]]:
+    """Dual-batch decode's two micro-batches of a step's decoding requests, in admission order (the first the
+    larger by one when odd), so that the concatenated halves are `live` again; one request stays one batch."""
+    if len(live) < 2:
+        return [live]
+    half = (len(live) + 1) // 2
+    return [live[:half], live[half:]]
 
 
 def _first_stop(text: str, stops: tuple[str, ...], since: int) -> Optional[int]:

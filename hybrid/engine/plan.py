@@ -43,6 +43,7 @@ class Plan:
     gpu_fp8_gemm: str = "triton"
     gpu_fp8_dequant_rows: int = 512
     cuda_graphs: str = "off"  # resolved: off where graphs do not apply
+    dual_batch: bool = False  # >= 2 decoding: two micro-batches, interleaved (overlapped under graphs)
     gpu_experts_per_layer: int = 0
     ledger: Ledger = field(default_factory=Ledger)
 
@@ -61,7 +62,10 @@ class Plan:
                  f"(tiles reused from {p.cpu_gemm_tile_tokens} tokens per expert{amx}), experts on {p.moe_backend}"
                  + (f", lm_head {p.cpu_lm_head}" if p.device.type == "cpu" else ""),
                  f"  requests: {p.max_batch} KV slots x {p.max_context} tokens, at most {p.batch_cap} running, "
-                 f"prefill chunks of {p.prefill_chunk_tokens} tokens"]
+                 f"prefill chunks of {p.prefill_chunk_tokens} tokens"
+                 + (", decode in two micro-batches " + ("overlapped (graph segments on two streams)"
+                                                        if p.cuda_graphs != "off" else "in turn (no overlap)")
+                    if p.dual_batch else "")]
         if p.device.type == "cuda":
             ring = "auto (per prompt)" if p.ring_len is None else str(p.ring_len)
             gpus = "one GPU"

@@ -4,7 +4,8 @@
 router's ids and weights and the activations are copied into them, the stream is synchronised once per layer (the
 only host<->device synchronisation of a layer; counted in `syncs`), and the CPU op's output goes back with a
 stream-ordered copy. Reusing one set is safe: the next layer's synchronisation also waits for the previous copy
-back. On the CPU the buffers are bypassed unless `stage_on_cpu` (tests use it to run the GPU logic in CI).
+back. CUDA graphs copy into fixed buffers instead, one set per lane: dual-batch decode replays two micro-batches'
+graphs at once, each through its own set (`lane`, chosen while a graph is captured). On the CPU the buffers are bypassed unless `stage_on_cpu` (tests use it to run the GPU logic in CI).
 
 `Deferral` is KTransformers' expert deferral (policy.cpu.deferred_experts = D; placement's DeferredCpuExperts): each
 token's D lowest-weighted experts run after the others, overlapping the next layer's attention; their output joins
@@ -15,7 +16,8 @@ Legend: T tokens, D hidden, K experts per token.
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 
@@ -35,20 +37,34 @@ class Staging:
         self.hidden, self.top_k, self.pin, self.stage_on_cpu = hidden, top_k, pin, stage_on_cpu
         self.syncs = 0
         self._bufs: Optional[_Buffers] = None  # eager calls: grown on demand
-        self._fixed: Optional[_Buffers] = None  # CUDA graphs: allocated once, never moved (graphs hold addresses)
+        # CUDA graphs: by lane, allocated once, never moved (graphs hold addresses)
+        self._fixed: dict[int, _Buffers] = {}
+        self._lane = 0  # the lane a graph being captured copies into
 
-    def reserve(self, rows: int) -> None:
-        """The fixed buffers CUDA graphs copy into, for up to `rows` tokens (allocate before capturing)."""
-        if self._fixed is None:
-            self._fixed = _Buffers(rows, self.hidden, self.top_k, self.pin)
-        elif self._fixed.rows < rows:
+    def reserve(self, rows: int, lane: int = 0) -> None:
+        """The fixed buffers CUDA graphs of `lane` copy into, for up to `rows` tokens (allocate before capturing)."""
+        if lane not in self._fixed:
+            self._fixed[lane] = _Buffers(rows, self.hidden, self.top_k, self.pin)
+        elif self._fixed[lane].rows < rows:
             raise RuntimeError("staging for CUDA graphs is already allocated and must not move")
+
+    @contextlib.contextmanager
+    def lane(self, lane: int) -> Iterator[None]:
+        """Graphs captured within copy through `lane`'s fixed buffers (reserve them first)."""
+        if lane not in self._fixed:
+            raise RuntimeError(f"staging lane {lane} is not reserved: Staging.reserve(rows, lane) first")
+        before, self._lane = self._lane, lane
+        try:
+            yield
+        finally:
+            self._lane = before
 
     def _buffers(self, rows: int, fixed: bool) -> _Buffers:
         if fixed:
-            if self._fixed is None or rows > self._fixed.rows:
+            bufs = self._fixed.get(self._lane)
+            if bufs is None or rows > bufs.rows:
                 raise RuntimeError(f"{rows} rows asked while capturing a CUDA graph: Staging.reserve() them first")
-            return self._fixed
+            return bufs
         if self._bufs is None or rows > self._bufs.rows:
             self._bufs = _Buffers(max(rows, 2 * (self._bufs.rows if self._bufs else 0)), self.hidden, self.top_k,
                                   self.pin)
@@ -80,7 +96,8 @@ class Staging:
 
     def to_device(self, out_h: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         if like.device.type == "cpu":
-            staged = any(b is not None and out_h.data_ptr() == b.out.data_ptr() for b in (self._bufs, self._fixed))
+            staged = any(b is not None and out_h.data_ptr() == b.out.data_ptr()
+                         for b in (self._bufs, *self._fixed.values()))
             return out_h.to(like.dtype, copy=staged)
         return out_h.to(like.device, non_blocking=True).to(like.dtype)
 

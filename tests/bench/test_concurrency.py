@@ -36,11 +36,12 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):
     args = ["mode=bench", "bench=concurrency", "output=json", "bench.long_prompt_tokens=160", "bench.prompt_tokens=8",
             "bench.new_tokens=6", "bench.roof_gb=0.05", "policy.prefill.chunk_tokens=16", "policy.kv.max_context=256",
             "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "bench.scenarios=[1D,2D,1P,1P+1D,1P+2D]",
-            "bench.stream_caps=[10]"]
+            "bench.stream_caps=[10]", "bench.dual_batch=true"]
     p = subprocess.run([sys.executable, "-m", "hybrid", *args], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    recs = {(r["name"], r.get("scenario")): r for r in out["records"]}  # extras flattened into the record
+    dual = {r["dual_batch"]: r for r in out["records"] if "dual_batch" in r}  # the 2D pair: without and with
+    recs = {(r["name"], r.get("scenario")): r for r in out["records"] if "dual_batch" not in r}  # extras flattened
     assert "bench.stream_caps skipped" in p.stderr  # no stream-loading without a GPU
     for sc, n in (("1D", 1), ("2D", 2), ("1P+1D", 1), ("1P+2D", 2)):
         tpot, tok = recs[("tpot_s", sc)], recs[("decode_tok_s", sc)]
@@ -53,6 +54,12 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):
         assert ratio["value"] > 0 and during["steps"] >= 2  # chunks: the decodes stepped during the prompt
         assert during["worst_step_s"] >= during["value"]
     assert "vs_1D" in recs[("tpot_s", "2D")]
+    # 2D again with dual-batch decode (the CPU runs the micro-batches in turn): both ways, against their bounds
+    assert set(dual) == {False, True} and {r["scenario"] for r in dual.values()} == {"2D"}
+    assert dual[False]["value"] == recs[("decode_tok_s", "2D")]["value"] and dual[False]["vs_no_overlap"] == 1
+    for r in dual.values():
+        assert r["m"] == 2 and r["bound"] and 0 < r["value"] <= 1.2 * r["bound"]
+    assert "with dual-batch overlap" in p.stderr
 
 
 def test_too_many_requests_for_the_batch_cap_fail_clearly(tmp_path, tiny_dir):

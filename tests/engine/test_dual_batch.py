@@ -1,0 +1,159 @@
+"""Dual-batch decode (policy.decode.dual_batch): a step's decoding requests as two micro-batches whose graph
+segments interleave at the CPU hand-offs. The overlap itself needs a GPU (the GPU test below); on the CPU these
+tests hold the logic: the interleaving order, the split, the micro-batches' logits going back to the right
+requests, the staging lanes, and every request's greedy tokens equal to its solo tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid.config import compose, to_settings
+from hybrid.engine.build import build
+from hybrid.engine.cuda_graphs import CpuStep, interleave
+from hybrid.engine.engine import Engine, micro_batches
+from hybrid.engine.placement import CpuExperts, experts_to_cpu_kernels
+from hybrid.engine.plan import Plan
+from hybrid.engine.requests import Request, SamplingParams
+from hybrid.engine.staging import Staging
+from hybrid.model.moe import MoE
+from hybrid.models import Checkpoint, load_model
+from tests.engine.test_serving import PLAN, _check_solo, _drive, _greedy, _prompt
+
+DUAL = Plan(max_batch=3, max_context=96, batch_cap=3, prefill_chunk_tokens=8, dual_batch=True)
+
+
+def _lane(log: list, name: str, cpu_steps: int) -> list:
+    """GPU step, then (CPU step, GPU step) x cpu_steps: as a graph-segment step list."""
+    gpu = lambda k: lambda: log.append(f"{name}.gpu{k}")  # noqa: E731
+    cpu = lambda k: CpuStep(lambda: log.append(f"{name}.cpu{k}"))  # noqa: E731
+    steps = [gpu(0)]
+    for k in range(cpu_steps):
+        steps += [cpu(k), gpu(k + 1)]
+    return steps
+
+
+def test_interleave_switches_micro_batches_at_each_cpu_step():
+    log, entered = [], []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            entered.append(self.name)
+
+        def __exit__(self, *exc):
+            entered.append("/" + self.name)
+
+    interleave([(lambda: Stream("A"), _lane(log, "A", 2)), (lambda: Stream("B"), _lane(log, "B", 2))])
+    assert log == ["A.gpu0", "B.gpu0", "A.cpu0", "A.gpu1", "B.cpu0", "B.gpu1", "A.cpu1", "A.gpu2", "B.cpu1",
+                   "B.gpu2"], "each lane's GPU work is enqueued before the other lane's CPU step runs"
+    # GPU steps run within their lane's context (its stream); CPU steps outside any
+    assert entered == ["A", "/A", "B", "/B", "A", "/A", "B", "/B", "A", "/A", "B", "/B"]
+
+
+def test_interleave_runs_lanes_of_different_lengths_to_the_end():
+    log = []
+    nothing = lambda: __import__("contextlib").nullcontext()  # noqa: E731
+    interleave([(nothing, _lane(log, "A", 1)), (nothing, _lane(log, "B", 3))])
+    assert [x for x in log if x.startswith("A")] == ["A.gpu0", "A.cpu0", "A.gpu1"]
+    assert [x for x in log if x.startswith("B")] == ["B.gpu0", "B.cpu0", "B.gpu1", "B.cpu1", "B.gpu2", "B.cpu2",
+                                                     "B.gpu3"]
+
+
+def test_micro_batches_split_in_admission_order():
+    reqs = [Request(i, [1], SamplingParams()) for i in range(5)]
+    assert micro_batches(reqs[:1]) == [reqs[:1]]
+    assert micro_batches(reqs[:2]) == [reqs[:1], reqs[1:2]]
+    assert micro_batches(reqs) == [reqs[:3], reqs[3:]]
+    assert sum(micro_batches(reqs), []) == reqs
+
+
+def test_dual_batch_keeps_every_request_on_its_solo_tokens(tiny_model):
+    """On the CPU the micro-batches run in turn (eager): requests arriving and finishing at different steps, so the
+    split changes from step to step (1, 1+1, 2+1, ...)."""
+    v = tiny_model.args.vocab_size
+    engine = Engine(tiny_model, DUAL)
+    arrivals = {0: [(_prompt(9, 1, v), _greedy(20))], 2: [(_prompt(14, 2, v), _greedy(9))],
+                5: [(_prompt(5, 3, v), _greedy(14))]}
+    _check_solo(tiny_model, _drive(engine, arrivals), PLAN)
+
+
+class _DualDecoder:
+    """A decoder with `dual` (as graphed decode has): each micro-batch's logits from the eager step, the calls
+    noted."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.calls = engine, []
+
+    def __call__(self, *part, capture=True):
+        self.calls.append(("single", part[0].shape[0]))
+        return self.engine._eager_decode(*part)
+
+    def dual(self, parts, capture=True):
+        self.calls.append(("dual", [p[0].shape[0] for p in parts]))
+        return [self.engine._eager_decode(*p) for p in parts]
+
+
+def test_a_decoder_with_dual_gets_both_micro_batches_and_their_logits_go_to_their_requests(tiny_model):
+    v = tiny_model.args.vocab_size
+    engine = Engine(tiny_model, DUAL)
+    dec = engine._decode = _DualDecoder(engine)
+    arrivals = {0: [(_prompt(7, 4, v), _greedy(12)), (_prompt(11, 5, v), _greedy(12)),
+                    (_prompt(6, 6, v), _greedy(12))]}
+    _check_solo(tiny_model, _drive(engine, arrivals), PLAN)
+    assert ("dual", [2, 1]) in dec.calls, dec.calls
+    assert all(n == 1 for kind, n in dec.calls if kind == "single"), "a step of two or more goes to dual"
+
+
+def test_without_dual_batch_one_batch_per_step(tiny_model):
+    v = tiny_model.args.vocab_size
+    engine = Engine(tiny_model, PLAN)
+    dec = engine._decode = _DualDecoder(engine)
+    _drive(engine, {0: [(_prompt(7, 4, v), _greedy(4)), (_prompt(9, 5, v), _greedy(4))]})
+    assert ("single", 2) in dec.calls and not any(kind == "dual" for kind, _ in dec.calls)
+
+
+def test_staging_lanes_give_each_lane_its_own_fixed_buffers(tiny_dir):
+    m = load_model(Checkpoint(tiny_dir), torch.float32, progress=False)
+    staging = Staging(256, 4, stage_on_cpu=True)
+    experts_to_cpu_kernels(m, staging=staging)
+    layer = next(x for x in m.modules() if isinstance(x, MoE)).experts
+    assert isinstance(layer, CpuExperts)
+    x = torch.randn(2, 256)
+    w, ids = next(x for x in m.modules() if isinstance(x, MoE)).gate(x)
+    with pytest.raises(RuntimeError, match="lane 1 is not reserved"):
+        with staging.lane(1):
+            pass
+    staging.reserve(4)
+    staging.reserve(4, lane=1)
+    main = staging.to_host(x, w, ids, sync=False)[0].data_ptr()
+    with staging.lane(1):
+        other = staging.to_host(x, w, ids, sync=False)[0].data_ptr()
+        assert staging.out(2, fixed=True).data_ptr() != staging.out(2, fixed=False).data_ptr()
+    assert main != other and staging.to_host(x, w, ids, sync=False)[0].data_ptr() == main, "lane 0 again after"
+
+
+def test_dual_batch_is_a_policy_knob_in_the_plan():
+    s = to_settings(compose(["policy.decode.dual_batch=true", "model=tiny"]))
+    assert s.policy.decode.dual_batch is True
+    assert "two micro-batches in turn" in Plan(dual_batch=True).describe()
+    assert "micro-batches" not in Plan().describe()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs", ["hostfn", "segments"])
+def test_graphed_dual_batch_keeps_solo_tokens(graphs):
+    """Under graphs the two micro-batches replay on two streams at once (lanes 1 and 2): requests arriving and
+    finishing at different steps keep their solo tokens (each alone through the same engine)."""
+    s = to_settings(compose(["+hw=h200_xeon16", "policy.adapt_to_hardware=true", "model.dtype=float32",
+                             f"policy.decode.cuda_graphs={graphs}", "policy.decode.dual_batch=true",
+                             "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "policy.kv.max_context=512"]))
+    engine = build(s, s.hw, progress=False)
+    v = engine.model.args.vocab_size
+    prompts = [torch.randint(2, v, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 17, 5)]
+    got = _drive(engine, {0: [(prompts[0], _greedy(40))], 3: [(prompts[1], _greedy(12))],
+                          8: [(prompts[2], _greedy(30))]})
+    assert engine.parts["graphs"].lanes and any(lane.graphs for lane in engine.parts["graphs"].lanes)
+    for prompt, params, tokens, _ in got.values():
+        assert tokens == engine.generate([prompt], params)[0].output_ids
