@@ -37,13 +37,13 @@ tune: $(STAMP) ## tune the policy on this machine: make tune HW=cpu_only TUNE_AR
 ui: $(STAMP) ## the MLflow UI of runs/ on http://127.0.0.1:5000 (PORT=...); Ctrl-C stops it and its workers
 	$(PY) -m hybrid.tracking ui --port $(PORT)
 
-wheelhouse: ## wheels of every dependency but torch, for an offline machine: make wheelhouse PYVER=3.12 [SKIP="numpy ..."]
+wheelhouse: ## wheels of every dependency but torch and triton (a GPU machine's torch brings its own), for an offline machine: make wheelhouse PYVER=3.12 [SKIP="numpy ..."]
 	@mkdir -p $(WHEELHOUSE)
 	$(PY) -m pip wheel -q --no-deps --no-binary=:all: antlr4-python3-runtime==4.9.3 -w $(WHEELHOUSE)
 	$(PY) -m pip download -q --only-binary=:all: --python-version $(PYVER) --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
 	  --find-links $(WHEELHOUSE) -d $(WHEELHOUSE) $$($(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-	  print(' '.join(d for d in p['dependencies'] + p['optional-dependencies']['test'] if not d.startswith('torch')))")
+	  print(' '.join(d for d in p['dependencies'] + p['optional-dependencies']['test'] if not d.startswith(('torch', 'triton'))))")
 	@for s in $(SKIP); do rm -f $(WHEELHOUSE)/$$(echo $$s | tr - _)-[0-9]*.whl $(WHEELHOUSE)/$$s-[0-9]*.whl; done
 	@du -sh $(WHEELHOUSE); echo "install there: python3 -m pip install --no-index --find-links $(WHEELHOUSE) --no-deps $(WHEELHOUSE)/*.whl"
 

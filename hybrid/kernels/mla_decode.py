@@ -1,0 +1,138 @@
+"""Batch-invariant MLA decode attention on the GPU (absorbed form): each sequence's attention over its own cached
+positions, in chunks of a fixed size, combined in a fixed order.
+
+Why: a request's greedy tokens must not depend on its batch mates. The einsum path attends over the batch's
+longest context (its KV-length bucket under CUDA graphs) and runs batched GEMMs whose kernels cuBLAS picks by
+shape, so a sequence's reductions — over the latent dimension, over its positions — change with the batch around
+it, and the last bits of its attention with them; a near-tie some tokens later then flips. Here every quantity a
+sequence gets is computed from its own positions with shapes that do not depend on the batch or the bucket:
+
+- `_chunk` (grid: sequence, head block, chunk of CHUNK positions): the chunk's scores q_lat·kv + q_pe·pe in FP32
+  over the latent dimension in fixed steps, masked past the sequence's length, their max m, sum of exponentials l
+  and the chunk's weighted latents o. A chunk wholly past the sequence's length does nothing: how far the grid
+  reaches (the bucket) changes no value.
+- `_combine` (grid: sequence, head block): the sequence's chunks merged one after another in chunk order (the
+  usual running max rescaling), up to its own last chunk.
+
+q_lat / the output's projection through kv_b stay GEMMs (rows padded by the caller's GEMM object). FP32 models run
+the products in IEEE FP32 (no TF32). Tests run the kernels under Triton's interpreter on the CPU.
+
+Legend: B sequences, H heads, C latent (kv_lora_rank), R rotary dims, T cached positions.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the einsum path serves
+    triton = None
+
+CHUNK = 256  # positions per chunk: fixed, so a sequence's chunks are the same whatever the bucket or batch
+HEADS_PER_BLOCK = 16
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available(device: torch.device) -> bool:
+    """Whether this path can run on `device` (Triton, a GPU; or Triton's interpreter, which tests use)."""
+    return triton is not None and (device.type == "cuda" or _interpreted())
+
+
+def mla_decode(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, kv_STC: torch.Tensor, pe_STR: torch.Tensor,
+               slots_B: torch.Tensor, lengths_B: torch.Tensor, kv_len: int, scale: float) -> torch.Tensor:
+    """softmax(scale · (q_lat·kvᵀ + q_pe·peᵀ)) · kv for each sequence b over positions [0, lengths_B[b]) of cache
+    slot slots_B[b] -> o_lat [B, H, C] in FP32. kv_len: the most positions any sequence may have (the grid's
+    reach; a CUDA graph's bucket), at least max(lengths_B)."""
+    b, h, c = q_lat_BHC.shape
+    r = q_pe_BHR.shape[-1]
+    if h % HEADS_PER_BLOCK or c % 64 or r % 16 or kv_STC.shape[-1] != c or pe_STR.shape[-1] != r:
+        raise ValueError(f"mla_decode: {h} heads (a multiple of {HEADS_PER_BLOCK}), latent {c} (of 64), rotary "
+                         f"{r} (of 16); the cache holds {kv_STC.shape[-1]} + {pe_STR.shape[-1]}")
+    if not 1 <= kv_len <= kv_STC.shape[1]:
+        raise ValueError(f"mla_decode: kv_len {kv_len} outside 1..{kv_STC.shape[1]} cached positions")
+    q_lat_BHC, q_pe_BHR = q_lat_BHC.contiguous(), q_pe_BHR.contiguous()
+    chunks = triton.cdiv(kv_len, CHUNK)
+    dev = q_lat_BHC.device
+    m = torch.empty(b, h, chunks, dtype=torch.float32, device=dev)
+    l_ = torch.empty_like(m)
+    o = torch.empty(b, h, chunks, c, dtype=torch.float32, device=dev)
+    out = torch.empty(b, h, c, dtype=torch.float32, device=dev)
+    # FP32 models: IEEE FP32 products (no TF32). Triton's interpreter (3.9) multiplies BF16 dots wrongly: there
+    # the operands go in as FP32 (exact for BF16 values; the sums are FP32 either way)
+    ieee = kv_STC.dtype == torch.float32 or _interpreted()
+    _chunk[(b, h // HEADS_PER_BLOCK, chunks)](
+        q_lat_BHC, q_pe_BHR, kv_STC, pe_STR, slots_B, lengths_B, m, l_, o, h, chunks, scale,
+        q_lat_BHC.stride(0), q_lat_BHC.stride(1), q_pe_BHR.stride(0), q_pe_BHR.stride(1),
+        kv_STC.stride(0), kv_STC.stride(1), pe_STR.stride(0), pe_STR.stride(1),
+        C=c, R=r, HB=HEADS_PER_BLOCK, CH=CHUNK, BC=64, IEEE=ieee)
+    _combine[(b, h // HEADS_PER_BLOCK)](m, l_, o, lengths_B, out, h, chunks, C=c, HB=HEADS_PER_BLOCK, CH=CHUNK)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        if IEEE:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _chunk(q_ptr, qpe_ptr, kv_ptr, pe_ptr, slots_ptr, lens_ptr, m_ptr, l_ptr, o_ptr, H, n_chunks, scale,
+               sqb, sqh, spb, sph, skvs, skvt, spes, spet,
+               C: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, CH: tl.constexpr, BC: tl.constexpr,
+               IEEE: tl.constexpr):
+        b = tl.program_id(0)
+        heads = tl.program_id(1) * HB + tl.arange(0, HB)
+        j = tl.program_id(2)
+        length = tl.load(lens_ptr + b)
+        if j * CH < length:  # a chunk past the sequence's end: nothing (the combine stops before it)
+            slot = tl.load(slots_ptr + b).to(tl.int64)
+            t = j * CH + tl.arange(0, CH)
+            valid = t < length
+            kv_base = kv_ptr + slot * skvs
+            s = tl.zeros((HB, CH), dtype=tl.float32)
+            for c0 in tl.static_range(0, C, BC):  # over the latent dimension, in fixed steps
+                cc = c0 + tl.arange(0, BC)
+                q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + cc[None, :])
+                k = tl.load(kv_base + t[None, :] * skvt + cc[:, None], mask=valid[None, :], other=0.0)
+                s += _dot(q.to(k.dtype), k, IEEE)
+            rr = tl.arange(0, R)
+            qp = tl.load(qpe_ptr + b * spb + heads[:, None] * sph + rr[None, :])
+            kp = tl.load(pe_ptr + slot * spes + t[None, :] * spet + rr[:, None], mask=valid[None, :], other=0.0)
+            s += _dot(qp.to(kp.dtype), kp, IEEE)
+            s = tl.where(valid[None, :], s * scale, float("-inf"))
+            m = tl.max(s, 1)
+            p = tl.exp(s - m[:, None])
+            row = (b * H + heads) * n_chunks + j
+            tl.store(m_ptr + row, m)
+            tl.store(l_ptr + row, tl.sum(p, 1))
+            for c0 in tl.static_range(0, C, BC):
+                cc = c0 + tl.arange(0, BC)
+                v = tl.load(kv_base + t[:, None] * skvt + cc[None, :], mask=valid[:, None], other=0.0)
+                tl.store(o_ptr + row[:, None] * C + cc[None, :], _dot(p.to(v.dtype), v, IEEE))
+
+    @triton.jit
+    def _combine(m_ptr, l_ptr, o_ptr, lens_ptr, out_ptr, H, n_chunks,
+                 C: tl.constexpr, HB: tl.constexpr, CH: tl.constexpr):
+        b = tl.program_id(0)
+        heads = tl.program_id(1) * HB + tl.arange(0, HB)
+        cc = tl.arange(0, C)
+        length = tl.load(lens_ptr + b)
+        mm = tl.full((HB,), float("-inf"), dtype=tl.float32)
+        ll = tl.zeros((HB,), dtype=tl.float32)
+        acc = tl.zeros((HB, C), dtype=tl.float32)
+        for j in range(0, tl.cdiv(length, CH)):  # this sequence's chunks, in order
+            row = (b * H + heads) * n_chunks + j
+            mj = tl.load(m_ptr + row)
+            new = tl.maximum(mm, mj)
+            keep, add = tl.exp(mm - new), tl.exp(mj - new)
+            acc = acc * keep[:, None] + tl.load(o_ptr + row[:, None] * C + cc[None, :]) * add[:, None]
+            ll = ll * keep + tl.load(l_ptr + row) * add
+            mm = new
+        tl.store(out_ptr + (b * H + heads[:, None]) * C + cc[None, :], acc / ll[:, None])
