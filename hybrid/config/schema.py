@@ -164,6 +164,7 @@ class DecodePolicy:
     batch_cap: int = 6  # most requests running at once (holding a KV slot: prefilling or decoding)
     cuda_graphs: str = "hostfn"  # CUDA graphs: hostfn (one graph, CPU hand-off as host nodes) | segments | off
     dual_batch: bool = False  # >= 2 decoding: two micro-batches, one's GPU work beside the other's CPU experts
+    batch_invariant: bool = True  # GPU: a sequence's decode numbers independent of its batch mates (placement)
 
     def __post_init__(self) -> None:
         _at_least(self, "decode", 1, "batch_cap")

@@ -4,6 +4,7 @@
 
 #include "cpu_features.h"
 #include "gemm_op.h"
+#include "head_gemm.h"
 #include "host_job.h"
 #include "membw.h"
 #include "moe.h"
@@ -19,6 +20,8 @@ PYBIND11_MODULE(_native, m) {
   m.def("cpu_brand", &cpu_brand, "processor brand string");
   py::class_<View>(m, "View").def(py::init<uintptr_t, std::string, std::vector<int64_t>, std::vector<int64_t>>());
   m.def("gemm", &gemm, nogil(), "y = x · wᵀ (FP8 block-scaled or BF16 weights)");
+  m.def("head_gemm", &head_gemm, nogil(), "per-head y[:, h] = x[:, h] · w[h] (by rows) or · w[h]ᵀ, BF16");
+  m.def("head_isa", &head_isa, "the batched-head kernel's code a variant name runs here");
   m.def("set_tile_min_m", &set_tile_min_m, "tokens from which the FP8 GEMM converts each weight tile once");
   m.def("set_amx_min_m", &set_amx_min_m, "tokens from which variant amx runs an FP8 GEMM on AMX tiles");
   m.def("selected_isa", &selected_isa, "the kernel variant a name resolves to on this CPU");

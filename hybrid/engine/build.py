@@ -81,10 +81,41 @@ class Placed:
     weight_bytes: int
     native: bool
     loader: Optional[StreamLoader]  # stream-loading prefill's (GPU, native experts only)
+    prefill_gpus: int = 1  # policy.prefill.gpus, resolved (prefill_devices)
+    arenas: Optional[list] = None  # the routed experts' one shared copy, when a prefill peer will attach to it
+    threads: int = 1  # the CPU threads placement configured
 
 
-def build(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Engine:
-    return assemble(place_model(s, hw, progress), s, hw)
+def build(s: HybridConfig, hw: HwConfig, progress: bool = True, cpu_peer: bool = False) -> Engine:
+    """cpu_peer: the two-GPU mode's stand-in on the CPU (the tests'): policy.prefill.gpus resolved as on a profile
+    with two GPUs, the prefill peer process on the CPU too, the two processes joined over gloo."""
+    return assemble(place_model(s, hw, progress, cpu_peer), s, hw)
+
+
+def prefill_devices(p: PolicyConfig, hw: HwConfig, device: torch.device, native: bool,
+                    cpu_peer: bool = False) -> tuple[int, bool]:
+    """(policy.prefill.gpus resolved, whether a prefill peer process serves the second device). The peer streams
+    its share of the experts from the one shared copy of the CPU kernels' host weights (moe_backend=native) and
+    needs a second GPU that torch sees; where null asked for two and one of those is missing, the engine plans and
+    runs one device, with a note; an explicit 2 is then an error."""
+    if device.type == "cpu":
+        gpus = (1 if p.prefill.gpus == 1 else 2) if cpu_peer else 1
+    else:
+        gpus = resolve_prefill_gpus(p.prefill.gpus, len(hw.gpus), device.type)
+    if gpus < 2:
+        return gpus, False
+    why = None
+    if not native:
+        why = "the peer streams the experts from the CPU kernels' host weights: policy.cpu.moe_backend=native"
+    elif device.type == "cuda" and torch.cuda.device_count() < 2:
+        why = f"a peer process on a second GPU, and torch sees {torch.cuda.device_count()}"
+    if why is None:
+        return gpus, True
+    if p.prefill.gpus == 2:
+        raise ConfigError(f"policy.prefill.gpus=2 needs {why} (or set policy.prefill.gpus=1)")
+    print(f"note: prefill on one GPU (policy.prefill.gpus=null would take two, but that needs {why})",
+          file=sys.stderr)
+    return 1, False
 
 
 def rebuild(engine: Engine, s: HybridConfig, hw: HwConfig) -> Engine:
@@ -105,13 +136,21 @@ def cpu_lm_head(p, device: torch.device, native: bool) -> str:
     return p.cpu.lm_head if device.type == "cpu" and native else "bf16"
 
 
-def place_model(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Placed:
-    """Load the checkpoint and place it: routed experts on the CPU kernels (pinned for a GPU), the rest on the
-    compute device; the FP8 GEMM and fused kernels warmed up."""
+def invariant_rows(p: PolicyConfig, device: torch.device) -> int:
+    """The GPU GEMMs' row padding for batch-invariant decode (policy.decode.batch_invariant): every batch size up
+    to kv.max_batch through one kernel shape; 0 off or without a GPU (the CPU kernels are invariant as they are)."""
+    return max(16, p.kv.max_batch) if p.decode.batch_invariant and device.type == "cuda" else 0
+
+
+def place_model(s: HybridConfig, hw: HwConfig, progress: bool = True, cpu_peer: bool = False) -> Placed:
+    """Load the checkpoint and place it: routed experts on the CPU kernels (pinned for a GPU; in one shared-memory
+    copy when a prefill peer will stream from it too), the rest on the compute device; the FP8 GEMM and fused
+    kernels warmed up."""
     p = s.policy
     device = compute_device(hw)
-    configure_cpu(cpu_threads(p, hw), p.cpu.gemm_tile_tokens, p.cpu.amx_min_tokens)
-    gemm = fp8_linear.Fp8Gemm(p.gpu.fp8_gemm, p.gpu.fp8_dequant_rows)
+    threads = cpu_threads(p, hw)
+    configure_cpu(threads, p.cpu.gemm_tile_tokens, p.cpu.amx_min_tokens)
+    gemm = fp8_linear.Fp8Gemm(p.gpu.fp8_gemm, p.gpu.fp8_dequant_rows, pad_rows=invariant_rows(p, device))
     if device.type == "cuda" and fp8_linear.triton is None:
         print("note: Triton is not installed: FP8 weights on the GPU are dequantised with torch ops before use "
               f"(policy.gpu.fp8_gemm={p.gpu.fp8_gemm} needs it)", file=sys.stderr)
@@ -119,9 +158,19 @@ def place_model(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Placed:
     a = model.args
     staging = Staging(a.hidden_size, a.num_experts_per_tok, pin=device.type == "cuda")
     native = p.cpu.moe_backend == "native"
+    gpus, peer = prefill_devices(p, hw, device, native, cpu_peer)
+    arenas = None
     if native:
         experts_to_cpu_kernels(model, kernel_name(p.cpu.kernel), staging, p.cpu.deferred_experts)
-        if device.type == "cuda":
+        if peer:  # the one copy both processes stream from (and this one's CPU kernels read)
+            from hybrid.parallel.shared import pin_shared, share_experts
+
+            arenas = share_experts(model)
+            if device.type == "cuda":
+                pin_shared(arenas)
+            print(f"routed experts: {sum(a.numel() for a in arenas) / 1e9:.2f} GB in shared host memory"
+                  + (" (pinned)" if device.type == "cuda" else ""), file=sys.stderr)
+        elif device.type == "cuda":
             pinned = pin_experts(model)
             print(f"routed experts: {pinned / 1e9:.2f} GB in pinned host memory", file=sys.stderr)
     elif p.cpu.deferred_experts:
@@ -135,7 +184,7 @@ def place_model(s: HybridConfig, hw: HwConfig, progress: bool = True) -> Placed:
         if a.fp8_block:
             fp8_linear.warm_up(expert_gemm_shapes(a), device, gemm)
         loader = StreamLoader(gemm, combine.warm_up(a.num_experts_per_tok, a.hidden_size, device, model.dtype))
-    return Placed(p, model, tok, device, staging, gemm, fused, weight_bytes, native, loader)
+    return Placed(p, model, tok, device, staging, gemm, fused, weight_bytes, native, loader, gpus, arenas, threads)
 
 
 def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[Engine] = None) -> Engine:
@@ -192,17 +241,53 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
                 batch_cap=p.decode.batch_cap, prefill_chunk_tokens=p.prefill.chunk_tokens,
                 slp_cutoff_tokens=p.prefill.slp_cutoff_tokens, slp_chunk_tokens=chunk,
                 ring_len=p.prefill.ring_len, slp_group_experts=group,
-                prefill_gpus=resolve_prefill_gpus(p.prefill.gpus, len(hw.gpus), device.type), prefill_ep=p.prefill.ep,
+                prefill_gpus=placed.prefill_gpus, prefill_ep=p.prefill.ep,
                 prefill_beside_decode=p.prefill.beside_decode,
                 stream_cap_bytes_s=p.prefill.stream_cap_gbps * 1e9 if p.prefill.stream_cap_gbps else None,
                 gpu_weights=p.gpu.weights, gpu_fp8_gemm=p.gpu.fp8_gemm, gpu_fp8_dequant_rows=p.gpu.fp8_dequant_rows,
                 cuda_graphs=p.decode.cuda_graphs if graphs else "off", dual_batch=p.decode.dual_batch,
-                gpu_experts_per_layer=p.gpu.experts_per_layer, ledger=ledger)
+                gpu_experts_per_layer=p.gpu.experts_per_layer, gpu_pad_rows=placed.gemm.pad_rows, ledger=ledger)
     print(plan.describe(), file=sys.stderr)
     after = functools.partial(_refresh, hot) if hot else None
     parts = {"staging": placed.staging, "loader": placed.loader, "graphs": decode, "hot": hot, "gemm": placed.gemm,
              "fused": placed.fused, "placed": placed}
-    return Engine(model, plan, placed.tokenizer, cache, decode, long_prefill, after, parts)
+    return Engine(model, plan, placed.tokenizer, cache, decode, long_prefill, after, parts,
+                  start_peer(placed, s) if previous is None else previous.peer)
+
+
+def start_peer(placed: Placed, s: HybridConfig):
+    """The prefill peer process for the second device (hybrid/parallel/peer.py), when placement shared the experts
+    for one; None otherwise. A peer that cannot start stops the build."""
+    if placed.arenas is None:
+        return None
+    from hybrid.parallel.peer import Peer
+
+    p = s.policy
+    loader = placed.loader or StreamLoader(placed.gemm)  # rank 0's share streams (the CPU stand-in: on the CPU)
+    peer = Peer.start(peer_model, (s, max(1, placed.threads // 2)), placed.arenas, placed.device,
+                      p.kv.max_context, loader, p.gpu.memory_budget_gb, threads=max(1, placed.threads // 2))
+    print(f"prefill peer: process {peer.pid} on {peer.device} (policy.prefill.gpus={placed.prefill_gpus}, "
+          f"experts by {p.prefill.ep})", file=sys.stderr)
+    return peer
+
+
+def peer_model(device: torch.device, s: HybridConfig, threads: int) -> tuple[Transformer, StreamLoader]:
+    """In the peer process: the model loaded and placed on its device as place_model does (the routed experts on
+    the CPU kernels, attached to the engine's shared copy after), and its stream loader."""
+    p = s.policy
+    configure_cpu(threads, p.cpu.gemm_tile_tokens, p.cpu.amx_min_tokens)
+    model, _ = models.load(s.model, progress=False)
+    a = model.args
+    cuda = device.type == "cuda"
+    experts_to_cpu_kernels(model, kernel_name(p.cpu.kernel), Staging(a.hidden_size, a.num_experts_per_tok, pin=cuda))
+    gemm = fp8_linear.Fp8Gemm(p.gpu.fp8_gemm, p.gpu.fp8_dequant_rows)
+    fused = pointwise.Fused(pointwise.warm_up(a, device, model.dtype))
+    place(model, device, p.gpu.weights, gemm, fused, kernel_name(p.cpu.kernel), p.cpu.lm_head)
+    if not cuda:
+        return model, StreamLoader(gemm)
+    if a.fp8_block:
+        fp8_linear.warm_up(expert_gemm_shapes(a), device, gemm)
+    return model, StreamLoader(gemm, combine.warm_up(a.num_experts_per_tok, a.hidden_size, device, model.dtype))
 
 
 def _changed(a, b, prefix: str = "") -> list[str]:

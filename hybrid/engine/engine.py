@@ -21,7 +21,7 @@ import warnings
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Optional, Sequence
 
 import torch
 
@@ -33,6 +33,9 @@ from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
 from hybrid.prefill.throttle import Throttle
 from hybrid.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from hybrid.parallel.peer import Knobs, Peer
 
 # decode(tokens_B1, pos_B1, slots_B, kv_len, capture=True) -> logits_BV: eager, or replayed CUDA graphs (capture:
 # a graph not made yet may be captured now; False while another thread uses the GPU)
@@ -57,12 +60,16 @@ class Engine:
     def __init__(self, model: Transformer, plan: Plan, tokenizer: Optional[Tokenizer] = None,
                  cache: Optional[KVCache] = None, decode: Optional[DecodeFn] = None,
                  long_prefill: Optional[Callable[[int], ContextManager]] = None,
-                 after_prefill: Optional[Callable[[], None]] = None, parts: Optional[dict] = None):
+                 after_prefill: Optional[Callable[[], None]] = None, parts: Optional[dict] = None,
+                 peer: Optional["Peer"] = None):
         """cache: the KV slots (default: plan.max_batch x plan.max_context on plan.device); decode: the decode step
         (default: eager); long_prefill(tokens): the context in which a prompt's chunk of that many tokens is
         prefilled by stream-loading (None: every prompt takes the chunked path); after_prefill: called once a
         prompt is prefilled (e.g. move the hottest experts onto the GPU). `parts`: the placement's objects, for benchmarks and tests (staging,
-        graphs, stream loader, hot experts)."""
+        graphs, stream loader, hot experts). `peer`: the second prefill device's process (hybrid/parallel/peer.py,
+        started by build() for policy.prefill.gpus=2; the engine does not make processes itself): a long prompt
+        goes to both devices when nothing decodes (chunks the scheduler marks gpus=2), and to the peer alone,
+        beside decode, while requests decode (§5.1); the engine closes it."""
         self.model, self.tokenizer, self.plan = model, tokenizer, plan
         self.cache = cache or model.new_cache(plan.max_batch, plan.max_context, plan.device)
         self.device = plan.device
@@ -74,11 +81,14 @@ class Engine:
         self.eos_ids = frozenset({model.args.eos_token_id} - {None})
         if tokenizer is not None:
             self.eos_ids |= tokenizer.eos_ids
-        # a chunk the scheduler marks for two GPUs (plan.prefill_gpus) runs on this engine's one device: the second
-        # GPU's process is hybrid/parallel's (bench=prefill runs it), not held by the engine yet
+        # with a peer, prompts above the cutoff take the two-device paths (on the CPU stand-in too, where this
+        # process streams nothing itself), and one stream-loaded at a time runs beside decode: on the peer's device
+        # while requests decode, so decode is never held for it. Without one, a chunk marked for two GPUs runs on
+        # this engine's one device.
+        self._peer = peer
         self.scheduler = Scheduler(self.cache.slots, plan.batch_cap, plan.prefill_chunk_tokens,
-                                   plan.slp_cutoff_tokens if long_prefill is not None else None, plan.prefill_gpus,
-                                   beside_decode=plan.prefill_beside_decode)
+                                   plan.slp_cutoff_tokens if long_prefill is not None or peer is not None else None,
+                                   plan.prefill_gpus, beside_decode=plan.prefill_beside_decode or peer is not None)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
@@ -124,12 +134,21 @@ class Engine:
             return bool(self._inbox or self._aborts) or self.scheduler.has_work()
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stops a prefill running beside decode (at its next expert) and waits for its thread; steps may follow
-        (the request then finishes as aborted)."""
+        """Stops a prefill running beside decode (at its next expert) and waits for its thread, then stops the
+        prefill peer's process; steps may follow (the request then finishes as aborted; later prompts on this
+        one device)."""
         b = self._beside
         if b is not None:
             b.cancel()
             b.thread.join(timeout_s)
+        if self._peer is not None:
+            self._peer.close(timeout_s)
+            self._drop_peer()
+
+    @property
+    def peer(self) -> Optional["Peer"]:
+        """The second prefill device's process, while it serves (None: one device)."""
+        return self._peer
 
     @property
     def running(self) -> int:
@@ -151,9 +170,9 @@ class Engine:
         # a stream-loading prefill beside decode is paced while requests decode, at full speed when none does
         self._throttle.set_rate(self.plan.stream_cap_bytes_s if plan.decode else None)
         for chunk in plan.prefill:
-            if chunk.beside:
+            if chunk.beside and self._beside_applies(chunk):
                 try:
-                    self._beside = _Beside.start(self, chunk)
+                    self._beside = self._start_beside(chunk)
                 except Exception as e:  # no stream or thread to run it: this request fails, the others go on
                     self._fail([chunk.request], e, changed)
             else:
@@ -213,14 +232,65 @@ class Engine:
 
     def _prefill_logits(self, chunk: Chunk) -> torch.Tensor:
         req = chunk.request
+        if self._together(chunk):  # both devices: this process is rank 0 of the two-rank prefill
+            return self._peer.together(self.model, self.cache, req.prompt[chunk.start:chunk.end], req.slot,
+                                       chunk.start, self._knobs())
         return self._prefill_range(req.prompt, chunk.start, chunk.end, req.slot, chunk.streamed)[0]
+
+    # -- the prefill peer (hybrid/parallel/peer.py) ------------------------------------------------------------
+    def _live_peer(self) -> Optional["Peer"]:
+        """The peer while it can take commands; one that died or broke is let go here (with a warning), once."""
+        p = self._peer
+        if p is not None and not p.alive:
+            warnings.warn(f"the prefill peer is gone ({p.why_not()}): the engine goes on on one device")
+            p.close()
+            self._drop_peer()
+        return self._peer
+
+    def _drop_peer(self) -> None:
+        """One device from now on: the scheduler's rules as without a peer."""
+        self._peer = None
+        s = self.scheduler
+        s.gpus, s.beside_decode = 1, self.plan.prefill_beside_decode
+        if self._long_prefill is None:
+            s.long_cutoff = None
+
+    def _together(self, chunk: Chunk) -> bool:
+        """A chunk for both devices (the scheduler's rule: a long prompt when nothing decodes) with a peer to
+        share it with; a prompt's first positions must be on both (it starts at 0)."""
+        return chunk.gpus > 1 and chunk.streamed and chunk.start == 0 and self._live_peer() is not None
+
+    def _beside_applies(self, chunk: Chunk) -> bool:
+        """Whether a chunk planned beside decode runs so: not when it goes to both devices (this process takes part),
+        nor where nothing can stream it (a CPU stand-in whose peer is gone: prefilled in the step instead, as the
+        model's own experts must not run on two threads)."""
+        if self._together(chunk):
+            return False
+        return self._live_peer() is not None or self._long_prefill is not None
+
+    def _start_beside(self, chunk: Chunk):
+        """A stream-loaded prompt beside decode: on the peer's device when there is a peer (this device keeps
+        decoding at full speed), else on a thread of this process."""
+        peer = self._live_peer()
+        if peer is not None and chunk.streamed and chunk.start == 0:
+            from hybrid.parallel.peer import PeerPrefill
+
+            return PeerPrefill.start(peer, chunk, self.cache, self._knobs())
+        return _Beside.start(self, chunk)
+
+    def _knobs(self) -> "Knobs":
+        from hybrid.parallel.peer import Knobs
+
+        p = self.plan
+        return Knobs(ring_len=p.ring_len, group=p.slp_group_experts, chunk_tokens=p.slp_chunk_tokens, ep=p.prefill_ep,
+                     budget_gb=self._peer.budget_gb if self._peer is not None else None)
 
     def _prefill_range(self, prompt: list[int], start: int, end: int, slot: int, streamed: bool,
                        cancelled: Optional[threading.Event] = None, **stream) -> tuple[torch.Tensor, list]:
         """prompt[start:end] into `slot` (the positions before it already there): the last token's logits, and the
         statistics of each stream-loading pass it took (one per SLP chunk). `cancelled`: set, no further chunk
         starts (the logits are then None)."""
-        if not streamed:
+        if not streamed or self._long_prefill is None:  # nothing to stream with (a CPU whose peer is gone)
             return self._forward(prompt[start:end], start, slot), []
         pipes, step = [], self.plan.slp_chunk_tokens or (end - start)
         for at in range(start, end, step):

@@ -45,6 +45,7 @@ class Plan:
     cuda_graphs: str = "off"  # resolved: off where graphs do not apply
     dual_batch: bool = False  # >= 2 decoding: two micro-batches, interleaved (overlapped under graphs)
     gpu_experts_per_layer: int = 0
+    gpu_pad_rows: int = 0  # batch-invariant decode: GPU GEMMs of fewer rows padded to this many (0: off)
     ledger: Ledger = field(default_factory=Ledger)
 
     def params(self) -> dict:
@@ -70,8 +71,8 @@ class Plan:
             ring = "auto (per prompt)" if p.ring_len is None else str(p.ring_len)
             gpus = "one GPU"
             if p.prefill_gpus > 1:
-                gpus += (f" ({p.prefill_gpus} planned when nothing decodes, {p.prefill_ep}; bench=prefill runs them, "
-                         "the engine holds one GPU's process)")
+                gpus += (f" ({p.prefill_gpus} when nothing decodes, {p.prefill_ep}, with the prefill peer process; "
+                         "while requests decode, the peer alone)")
             beside = "alone in its step (decode held)"
             if p.prefill_beside_decode:
                 cap = "uncapped" if p.stream_cap_bytes_s is None else f"{p.stream_cap_bytes_s / 1e9:g} GB/s"
@@ -80,7 +81,9 @@ class Plan:
                       f"of {p.slp_group_experts}, chunks {p.slp_chunk_tokens or 'whole prompt'}, on {gpus}, "
                       f"{beside}",
                       f"  GPU: weights {p.gpu_weights}, FP8 GEMM {p.gpu_fp8_gemm}, CUDA graphs {p.cuda_graphs}, "
-                      f"{p.gpu_experts_per_layer} hot experts per layer",
+                      f"{p.gpu_experts_per_layer} hot experts per layer, decode "
+                      + (f"batch-invariant (GEMMs padded to {p.gpu_pad_rows} rows, attention in fixed chunks)"
+                         if p.gpu_pad_rows else "not batch-invariant (einsum attention)"),
                       "  memory: " + ", ".join(f"{name} {b / 1e9:.2f} GB" for name, b in p.ledger.rows())]
         return "\n".join(lines)
 

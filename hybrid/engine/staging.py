@@ -5,7 +5,8 @@ router's ids and weights and the activations are copied into them, the stream is
 only host<->device synchronisation of a layer; counted in `syncs`), and the CPU op's output goes back with a
 stream-ordered copy. Reusing one set is safe: the next layer's synchronisation also waits for the previous copy
 back. CUDA graphs copy into fixed buffers instead, one set per lane: dual-batch decode replays two micro-batches'
-graphs at once, each through its own set (`lane`, chosen while a graph is captured). On the CPU the buffers are bypassed unless `stage_on_cpu` (tests use it to run the GPU logic in CI).
+graphs at once, each through its own set (`lane`, chosen while a graph is captured). On the CPU the buffers are
+bypassed unless `stage_on_cpu` (tests use it to run the GPU logic in CI).
 
 `Deferral` is KTransformers' expert deferral (policy.cpu.deferred_experts = D; placement's DeferredCpuExperts): each
 token's D lowest-weighted experts run after the others, overlapping the next layer's attention; their output joins

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from hybrid.kernels.gemm import gemm as cpu_gemm
+from hybrid.kernels import mla_decode
+from hybrid.kernels.head_gemm import head_gemm
 from hybrid.weights import fp8
 
 try:
@@ -73,10 +75,16 @@ TILES = ((16, Tile(16, 128, 128, 4, 3)), (256, Tile(64, 128, 128, 4, 3)), (None,
 class Fp8Gemm:
     """How x goes through FP8 weights: the backend (`policy.gpu.fp8_gemm`), the row count from which `auto`
     dequantises (`policy.gpu.fp8_dequant_rows`) and the Triton tiles by rows of x (TILES' form). The policy's values
-    are checked by the schema; the checks here are for direct callers (benchmarks, tests)."""
+    are checked by the schema; the checks here are for direct callers (benchmarks, tests).
+
+    `pad_rows` (the GPU's, policy.decode.batch_invariant): a product of fewer rows than this is computed over this many
+    (zeros past the real ones), so that every decode step's GEMMs are the same kernels whatever the batch size —
+    cuBLAS picks its kernel (and so each row's order of summation) by shape; within one kernel a row's result
+    depends on that row alone. The weights' bytes are read either way; 0: no padding."""
     backend: str = "triton"
     dequant_from_rows: int = 512
     tiles: tuple[tuple[Optional[int], Tile], ...] = TILES
+    pad_rows: int = 0
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -87,6 +95,19 @@ class Fp8Gemm:
         limits = [limit for limit, _ in self.tiles]
         if not limits or limits[-1] is not None or None in limits[:-1] or limits[:-1] != sorted(set(limits[:-1])):
             raise ValueError(f"Fp8Gemm tiles: row limits increasing, the last one None (more rows), got {limits}")
+        if self.pad_rows < 0:
+            raise ValueError(f"Fp8Gemm pad_rows must be >= 0, got {self.pad_rows}")
+
+    def _short(self, x: torch.Tensor) -> int:
+        """The rows of x when they are to be padded (fewer than pad_rows), else 0."""
+        m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return m if 0 < m < self.pad_rows else 0
+
+    def _padded(self, x: torch.Tensor, m: int) -> torch.Tensor:
+        """x's m rows [m, K] followed by zero rows up to pad_rows."""
+        xp = x.new_zeros(self.pad_rows, x.shape[-1])
+        xp[:m] = x.reshape(m, -1)
+        return xp
 
     @property
     def large_tile(self) -> Tile:
@@ -116,15 +137,49 @@ class Fp8Gemm:
 
     def dense_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [..., K] through a BF16 weight w [N, K] (lm_head, BF16 checkpoints), in x's dtype."""
+        m = self._short(x)
+        if m:
+            return F.linear(self._padded(x, m), w.to(x.dtype))[:m].view(*x.shape[:-1], -1)
         return F.linear(x, w.to(x.dtype))
 
     def fp32_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x · wᵀ in FP32 arithmetic (the router's scores), FP32 out."""
+        m = self._short(x)
+        if m:
+            return F.linear(self._padded(x.float(), m), w.float())[:m].view(*x.shape[:-1], -1)
         return F.linear(x.float(), w.float())
+
+    def per_head(self, x_BSHI: torch.Tensor, w: torch.Tensor, by_rows: bool) -> torch.Tensor:
+        """Per head h: x[:, :, h] · w[h] (`by_rows`: w [H, I, O], contracting over its rows: MLA's key half) or
+        x[:, :, h] · w[h]ᵀ (w [H, O, I]: the value half) -> [B, S, H, O] in x's dtype; torch's einsum."""
+        b, s = x_BSHI.shape[:2]
+        short = self._short(x_BSHI.reshape(b * s, -1))
+        if short:  # through pad_rows rows (batch-invariant decode), the real ones kept
+            xp = x_BSHI.new_zeros(self.pad_rows, 1, *x_BSHI.shape[2:])
+            xp[:short] = x_BSHI.reshape(short, 1, *x_BSHI.shape[2:])
+            return self.per_head(xp, w, by_rows)[:short].view(b, s, *xp.shape[2:-1], -1)
+        if by_rows:
+            return torch.einsum("bshn,hnc->bshc", x_BSHI, w)
+        return torch.einsum("bshc,hvc->bshv", x_BSHI, w)
+
+    def attends_from_cache(self, x: torch.Tensor) -> bool:
+        """Whether decode attention on x's device reads the cache per sequence (`attend_from_cache`): with
+        pad_rows set (batch-invariant decode) where the Triton kernel runs."""
+        return bool(self.pad_rows) and mla_decode.available(x.device)
+
+    def attend_from_cache(self, q_lat_BHC, q_pe_BHR, kv_STC, pe_STR, slots_B, lengths_B, kv_len: int,
+                          scale: float) -> torch.Tensor:
+        """Each sequence's decode attention over its own cached positions, in fixed chunks (mla_decode): the
+        latent output [B, H, C] in FP32, whatever the batch around it."""
+        return mla_decode.mla_decode(q_lat_BHC, q_pe_BHR, kv_STC, pe_STR, slots_B, lengths_B, kv_len, scale)
 
     def linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block, out=None) -> torch.Tensor:
         """x [..., K] -> [..., N]; `out` (2-D [M, N], rows contiguous) receives it when given."""
         n, k = q.shape
+        short = self._short(x)
+        if short:  # through pad_rows rows, the real ones kept
+            y = self.linear(self._padded(x, short), q, scale, block)[:short]
+            return out.copy_(y.view(out.shape)) if out is not None else y.view(*x.shape[:-1], n)
         m = x.numel() // k if k else 0
         how = self.path(x, block, m)
         if how != "triton":
@@ -156,9 +211,16 @@ class CpuFp8Gemm:
     """FP8 weights on the CPU through the native kernels (`kernel`: policy.cpu.kernel), reading the FP8 bytes in
     place on the CPU threads; the kernel accumulates in FP32 and y is rounded once to BF16. It takes BF16
     activations and 128×128 blocks: anything else (float32 models, other blocks, another device) goes through
-    `fallback`, torch's dequantising path on the CPU, unchanged."""
+    `fallback`, torch's dequantising path on the CPU, unchanged.
+
+    `per_head` (MLA's absorbed decode products over the kept BF16 kv_b halves) runs on the native batched-head
+    kernel up to `head_max_rows` tokens (decode batches), torch's einsum from there (0: always torch, the path
+    before the kernel, kept reachable for comparisons). The kernel was the faster at every count measured, 1 to
+    128 rows (DeepSeek-V3's dims, 2 threads, docs/perf-notes.md); the limit keeps larger batches on torch until
+    measured."""
     kernel: str = "auto"
     fallback: Fp8Gemm = DEFAULT_GEMM
+    head_max_rows: int = 128
 
     def path(self, x: torch.Tensor, block, m: int) -> str:
         """`native` (the CPU FP8 GEMM), else the fallback's way."""
@@ -192,6 +254,22 @@ class CpuFp8Gemm:
         if not self._bf16_native(x, w):
             return self.fallback.fp32_linear(x, w)
         return self._native(x, w, None)
+
+    def attends_from_cache(self, x: torch.Tensor) -> bool:
+        """The CPU path attends through `per_head` and torch (batch-invariant as it is)."""
+        return False
+
+    def per_head(self, x_BSHI: torch.Tensor, w: torch.Tensor, by_rows: bool) -> torch.Tensor:
+        """As Fp8Gemm.per_head; BF16 x and w on the CPU with at most `head_max_rows` tokens go through the native
+        batched-head kernel (FP32 accumulation, one rounding), threaded over heads: torch's batched GEMM with one
+        row per head reads the 2 × 16 MiB per layer at about half the memory roof (docs/perf-notes.md)."""
+        B, S, H, I = x_BSHI.shape
+        if not self._bf16_native(x_BSHI, w) or not 0 < B * S <= self.head_max_rows or w.stride(-1) != 1:
+            return self.fallback.per_head(x_BSHI, w, by_rows)
+        x_MHI = x_BSHI.reshape(B * S, H, I)
+        if x_MHI.stride(-1) != 1:
+            x_MHI = x_MHI.contiguous()
+        return head_gemm(x_MHI, w, by_rows, kernel=self.kernel).view(B, S, H, -1)
 
     def _native(self, x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
         """x [..., K] · wᵀ -> [..., N] FP32 on the native kernels."""

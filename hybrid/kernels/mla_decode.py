@@ -51,9 +51,9 @@ def mla_decode(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, kv_STC: torch.Te
     reach; a CUDA graph's bucket), at least max(lengths_B)."""
     b, h, c = q_lat_BHC.shape
     r = q_pe_BHR.shape[-1]
-    if h % HEADS_PER_BLOCK or c % 64 or r % 16 or kv_STC.shape[-1] != c or pe_STR.shape[-1] != r:
-        raise ValueError(f"mla_decode: {h} heads (a multiple of {HEADS_PER_BLOCK}), latent {c} (of 64), rotary "
-                         f"{r} (of 16); the cache holds {kv_STC.shape[-1]} + {pe_STR.shape[-1]}")
+    if c % 64 or r % 16 or kv_STC.shape[-1] != c or pe_STR.shape[-1] != r:
+        raise ValueError(f"mla_decode: latent {c} (a multiple of 64), rotary {r} (of 16); the cache holds "
+                         f"{kv_STC.shape[-1]} + {pe_STR.shape[-1]}")
     if not 1 <= kv_len <= kv_STC.shape[1]:
         raise ValueError(f"mla_decode: kv_len {kv_len} outside 1..{kv_STC.shape[1]} cached positions")
     q_lat_BHC, q_pe_BHR = q_lat_BHC.contiguous(), q_pe_BHR.contiguous()
@@ -66,12 +66,13 @@ def mla_decode(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, kv_STC: torch.Te
     # FP32 models: IEEE FP32 products (no TF32). Triton's interpreter (3.9) multiplies BF16 dots wrongly: there
     # the operands go in as FP32 (exact for BF16 values; the sums are FP32 either way)
     ieee = kv_STC.dtype == torch.float32 or _interpreted()
-    _chunk[(b, h // HEADS_PER_BLOCK, chunks)](
+    blocks = triton.cdiv(h, HEADS_PER_BLOCK)  # the last block's heads past h are masked
+    _chunk[(b, blocks, chunks)](
         q_lat_BHC, q_pe_BHR, kv_STC, pe_STR, slots_B, lengths_B, m, l_, o, h, chunks, scale,
         q_lat_BHC.stride(0), q_lat_BHC.stride(1), q_pe_BHR.stride(0), q_pe_BHR.stride(1),
         kv_STC.stride(0), kv_STC.stride(1), pe_STR.stride(0), pe_STR.stride(1),
         C=c, R=r, HB=HEADS_PER_BLOCK, CH=CHUNK, BC=64, IEEE=ieee)
-    _combine[(b, h // HEADS_PER_BLOCK)](m, l_, o, lengths_B, out, h, chunks, C=c, HB=HEADS_PER_BLOCK, CH=CHUNK)
+    _combine[(b, blocks)](m, l_, o, lengths_B, out, h, chunks, C=c, HB=HEADS_PER_BLOCK, CH=CHUNK)
     return out
 
 
@@ -90,6 +91,7 @@ if triton is not None:
         b = tl.program_id(0)
         heads = tl.program_id(1) * HB + tl.arange(0, HB)
         j = tl.program_id(2)
+        live = heads < H
         length = tl.load(lens_ptr + b)
         if j * CH < length:  # a chunk past the sequence's end: nothing (the combine stops before it)
             slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -99,23 +101,23 @@ if triton is not None:
             s = tl.zeros((HB, CH), dtype=tl.float32)
             for c0 in tl.static_range(0, C, BC):  # over the latent dimension, in fixed steps
                 cc = c0 + tl.arange(0, BC)
-                q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + cc[None, :])
+                q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + cc[None, :], mask=live[:, None], other=0.0)
                 k = tl.load(kv_base + t[None, :] * skvt + cc[:, None], mask=valid[None, :], other=0.0)
                 s += _dot(q.to(k.dtype), k, IEEE)
             rr = tl.arange(0, R)
-            qp = tl.load(qpe_ptr + b * spb + heads[:, None] * sph + rr[None, :])
+            qp = tl.load(qpe_ptr + b * spb + heads[:, None] * sph + rr[None, :], mask=live[:, None], other=0.0)
             kp = tl.load(pe_ptr + slot * spes + t[None, :] * spet + rr[:, None], mask=valid[None, :], other=0.0)
             s += _dot(qp.to(kp.dtype), kp, IEEE)
             s = tl.where(valid[None, :], s * scale, float("-inf"))
             m = tl.max(s, 1)
             p = tl.exp(s - m[:, None])
             row = (b * H + heads) * n_chunks + j
-            tl.store(m_ptr + row, m)
-            tl.store(l_ptr + row, tl.sum(p, 1))
+            tl.store(m_ptr + row, m, mask=live)
+            tl.store(l_ptr + row, tl.sum(p, 1), mask=live)
             for c0 in tl.static_range(0, C, BC):
                 cc = c0 + tl.arange(0, BC)
                 v = tl.load(kv_base + t[:, None] * skvt + cc[None, :], mask=valid[:, None], other=0.0)
-                tl.store(o_ptr + row[:, None] * C + cc[None, :], _dot(p.to(v.dtype), v, IEEE))
+                tl.store(o_ptr + row[:, None] * C + cc[None, :], _dot(p.to(v.dtype), v, IEEE), mask=live[:, None])
 
     @triton.jit
     def _combine(m_ptr, l_ptr, o_ptr, lens_ptr, out_ptr, H, n_chunks,
@@ -123,16 +125,18 @@ if triton is not None:
         b = tl.program_id(0)
         heads = tl.program_id(1) * HB + tl.arange(0, HB)
         cc = tl.arange(0, C)
+        live = heads < H
         length = tl.load(lens_ptr + b)
         mm = tl.full((HB,), float("-inf"), dtype=tl.float32)
         ll = tl.zeros((HB,), dtype=tl.float32)
         acc = tl.zeros((HB, C), dtype=tl.float32)
         for j in range(0, tl.cdiv(length, CH)):  # this sequence's chunks, in order
             row = (b * H + heads) * n_chunks + j
-            mj = tl.load(m_ptr + row)
+            mj = tl.load(m_ptr + row, mask=live, other=0.0)
             new = tl.maximum(mm, mj)
             keep, add = tl.exp(mm - new), tl.exp(mj - new)
-            acc = acc * keep[:, None] + tl.load(o_ptr + row[:, None] * C + cc[None, :]) * add[:, None]
-            ll = ll * keep + tl.load(l_ptr + row) * add
+            acc = acc * keep[:, None] + tl.load(o_ptr + row[:, None] * C + cc[None, :], mask=live[:, None],
+                                                other=0.0) * add[:, None]
+            ll = ll * keep + tl.load(l_ptr + row, mask=live, other=1.0) * add
             mm = new
-        tl.store(out_ptr + (b * H + heads[:, None]) * C + cc[None, :], acc / ll[:, None])
+        tl.store(out_ptr + (b * H + heads[:, None]) * C + cc[None, :], acc / ll[:, None], mask=live[:, None])

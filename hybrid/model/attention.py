@@ -80,6 +80,10 @@ class MLA(nn.Module):
         if cache is None:
             kv_BTC, pe_BTR, key_pos_BT = kv_c_BSC, k_pe_BSR, pos_BS
         else:
+            if S == 1 and self.kv_b_proj.gemm.attends_from_cache(x_BSD):  # batch-invariant decode (GPU)
+                cache.write(slots_B, pos_BS, kv_c_BSC, k_pe_BSR)
+                o_BSHV = self._from_cache(q_nope_BSHN, q_pe_BSHR, cache, slots_B, pos_BS, kv_len)
+                return self.o_proj(o_BSHV.flatten(2))
             kv_BTC, pe_BTR = cache.write_and_read(slots_B, pos_BS, kv_c_BSC, k_pe_BSR, kv_len)
             key_pos_BT = torch.arange(kv_BTC.shape[1], device=pos_BS.device).expand(B, -1)
         kv_BTC, pe_BTR = kv_BTC.to(x_BSD.dtype), pe_BTR.to(x_BSD.dtype)
@@ -95,17 +99,32 @@ class MLA(nn.Module):
         return self.o_proj(o_BSHV.flatten(2))
 
     def _absorbed(self, q_nope_BSHN, q_pe_BSHR, kv_BTC, pe_BTR, w_HXC, visible_BST):
-        """Decode: queries projected into the latent space; nothing per head is expanded over T."""
+        """Decode: queries projected into the latent space; nothing per head is expanded over T. The two per-head
+        products with kv_b's halves go through kv_b_proj's gemm (placement's choice, as for every Linear: on the
+        CPU path a native batched-head kernel, elsewhere torch's einsum)."""
         a = self.args
         w_uk_HNC, w_uv_HVC = self._halves(w_HXC)
-        q_lat_BSHC = torch.einsum("bshn,hnc->bshc", q_nope_BSHN, w_uk_HNC)
+        heads = self.kv_b_proj.gemm
+        q_lat_BSHC = heads.per_head(q_nope_BSHN, w_uk_HNC, by_rows=True)
         scores_BSHT = (
             torch.einsum("bshc,btc->bsht", q_lat_BSHC, kv_BTC) + torch.einsum("bshr,btr->bsht", q_pe_BSHR, pe_BTR)
         ).float() * a.softmax_scale
         scores_BSHT = scores_BSHT.masked_fill(~visible_BST[:, :, None, :], float("-inf"))
         probs_BSHT = scores_BSHT.softmax(dim=-1).to(q_nope_BSHN.dtype)
         o_BSHC = torch.einsum("bsht,btc->bshc", probs_BSHT, kv_BTC)
-        return torch.einsum("bshc,hvc->bshv", o_BSHC, w_uv_HVC)
+        return heads.per_head(o_BSHC, w_uv_HVC, by_rows=False)
+
+    def _from_cache(self, q_nope_BSHN, q_pe_BSHR, cache: LatentCache, slots_B, pos_BS, kv_len: int):
+        """Decode (one new token per sequence) with the attention read from the cache per sequence, each over its
+        own positions (kv_b_proj's gemm: placement's batch-invariant kernel); the same products with kv_b's
+        halves as `_absorbed`."""
+        a, dtype = self.args, q_nope_BSHN.dtype
+        w_uk_HNC, w_uv_HVC = self._halves(self._kv_b(dtype))
+        heads = self.kv_b_proj.gemm
+        q_lat_BSHC = heads.per_head(q_nope_BSHN, w_uk_HNC, by_rows=True)
+        o_BHC = heads.attend_from_cache(q_lat_BSHC[:, 0], q_pe_BSHR[:, 0], cache.kv, cache.pe, slots_B,
+                                        pos_BS[:, 0] + 1, kv_len, a.softmax_scale)
+        return heads.per_head(o_BHC[:, None].to(dtype), w_uv_HVC, by_rows=False)
 
     def _expanded(self, q_BSHK, kv_BTC, pe_BTR, w_HXC, visible_BST):
         """Prefill: keys and values expanded per head, then a fused attention kernel, whose memory grows with

@@ -13,11 +13,19 @@ class LatentCache:
     def __init__(self, kv_CTC: torch.Tensor, pe_CTR: torch.Tensor):
         self.kv, self.pe = kv_CTC, pe_CTR  # [slots, T, C], [slots, T, R]
 
-    def write_and_read(self, slots_B, pos_BS, kv_BSC, pe_BSR, kv_len: int):
-        """Store the new tokens at their positions, return the first kv_len positions (past the furthest one)."""
+    def write(self, slots_B, pos_BS, kv_BSC, pe_BSR) -> None:
+        """Store the new tokens at their positions."""
         self.kv[slots_B[:, None], pos_BS] = kv_BSC.to(self.kv.dtype)
         self.pe[slots_B[:, None], pos_BS] = pe_BSR.to(self.pe.dtype)
+
+    def read(self, slots_B, kv_len: int):
+        """The slots' first kv_len positions (gathered: [B, kv_len, C], [B, kv_len, R])."""
         return self.kv[slots_B, :kv_len], self.pe[slots_B, :kv_len]
+
+    def write_and_read(self, slots_B, pos_BS, kv_BSC, pe_BSR, kv_len: int):
+        """Store the new tokens at their positions, return the first kv_len positions (past the furthest one)."""
+        self.write(slots_B, pos_BS, kv_BSC, pe_BSR)
+        return self.read(slots_B, kv_len)
 
 
 class KVCache:

@@ -126,10 +126,12 @@ class ShardedMoE(nn.Module):
         """w_P[p] · expert ids_P[p] (x_PD[p]): one pick per row, every one of this rank's share."""
         if self.local is not None:
             return self.local.start(x_PD, w_P[:, None], (ids_P - self.owned.start)[:, None]).result()
+        from hybrid.engine.placement import CpuExperts
+
         experts = self.moe.experts
-        if not isinstance(experts, RoutedExperts):
-            raise ValueError(f"expert parallelism computes its share of the experts streamed (owned_streaming) or "
-                             f"with the plain torch experts, not {type(experts).__name__}")
+        if not isinstance(experts, (RoutedExperts, CpuExperts)):
+            raise ValueError(f"expert parallelism computes its share of the experts streamed (owned_streaming), "
+                             f"with the plain torch experts or on the CPU kernels, not {type(experts).__name__}")
         return experts.start(x_PD, w_P[:, None], ids_P[:, None]).result()
 
 

@@ -128,3 +128,27 @@ def test_triton_gemm_matches_float64_and_the_dequantising_path(m, n, k):
 def test_triton_dequantise_is_bit_identical_to_torch(n, k):
     _, q, s, _ = _case(1, n, k, "cuda")
     assert torch.equal(fl.dequantize(q, s, (128, 128)), fp8.dequantize(q, s, (128, 128), torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_rows_make_a_row_independent_of_its_batch(dtype):
+    """pad_rows (batch-invariant decode): products of fewer rows run over pad_rows rows, so a row's result is the
+    same bits whatever the number of rows beside it; the results stay the products."""
+    g = torch.Generator().manual_seed(3)
+    gemm = fl.Fp8Gemm(pad_rows=8)
+    x = torch.randn(8, 200, generator=g).to(dtype)
+    w = torch.randn(72, 200, generator=g).to(dtype)
+    q, s = fp8.quantize(torch.randn(256, 256, generator=g), (128, 128))
+    xq = torch.randn(8, 256, generator=g).to(dtype)
+    for way, args in ((gemm.dense_linear, (w,)), (gemm.fp32_linear, (w,)), (gemm.linear, (q, s, (128, 128)))):
+        xs = xq if way.__name__ == "linear" else x
+        full = way(xs, *args)
+        for m in range(1, 8):
+            part = way(xs[:m], *args)
+            assert part.shape[0] == m and torch.equal(part, full[:m]), (way.__name__, m)
+        ref = fl.DEFAULT_GEMM.__getattribute__(way.__name__)(xs, *args)
+        torch.testing.assert_close(full, ref, rtol=2e-2, atol=2e-2)
+    out = torch.empty(3, 256, dtype=dtype)
+    assert gemm.linear(xq[:3], q, s, (128, 128), out=out) is out and torch.equal(out, full[:3])
+    with pytest.raises(ValueError, match="pad_rows"):
+        fl.Fp8Gemm(pad_rows=-1)
