@@ -136,10 +136,12 @@ def cpu_lm_head(p, device: torch.device, native: bool) -> str:
     return p.cpu.lm_head if device.type == "cpu" and native else "bf16"
 
 
-def invariant_rows(p: PolicyConfig, device: torch.device) -> int:
-    """The GPU GEMMs' row padding for batch-invariant decode (policy.decode.batch_invariant): every batch size up
-    to kv.max_batch through one kernel shape; 0 off or without a GPU (the CPU kernels are invariant as they are)."""
-    return max(16, p.kv.max_batch) if p.decode.batch_invariant and device.type == "cuda" else 0
+def device_gemm(p: PolicyConfig, device: torch.device) -> fp8_linear.Fp8Gemm:
+    """The compute device's GEMM object (policy.gpu) for the engine's process and a prefill peer alike. Rows padded
+    for batch-invariant decode (policy.decode.batch_invariant): every batch size up to kv.max_batch through one
+    kernel shape; none without a GPU (the CPU kernels are invariant as they are)."""
+    pad = max(16, p.kv.max_batch) if p.decode.batch_invariant and device.type == "cuda" else 0
+    return fp8_linear.Fp8Gemm(p.gpu.fp8_gemm, p.gpu.fp8_dequant_rows, pad_rows=pad)
 
 
 def place_model(s: HybridConfig, hw: HwConfig, progress: bool = True, cpu_peer: bool = False) -> Placed:
@@ -150,7 +152,7 @@ def place_model(s: HybridConfig, hw: HwConfig, progress: bool = True, cpu_peer: 
     device = compute_device(hw)
     threads = cpu_threads(p, hw)
     configure_cpu(threads, p.cpu.gemm_tile_tokens, p.cpu.amx_min_tokens)
-    gemm = fp8_linear.Fp8Gemm(p.gpu.fp8_gemm, p.gpu.fp8_dequant_rows, pad_rows=invariant_rows(p, device))
+    gemm = device_gemm(p, device)
     if device.type == "cuda" and fp8_linear.triton is None:
         print("note: Triton is not installed: FP8 weights on the GPU are dequantised with torch ops before use "
               f"(policy.gpu.fp8_gemm={p.gpu.fp8_gemm} needs it)", file=sys.stderr)
@@ -280,7 +282,7 @@ def peer_model(device: torch.device, s: HybridConfig, threads: int) -> tuple[Tra
     a = model.args
     cuda = device.type == "cuda"
     experts_to_cpu_kernels(model, kernel_name(p.cpu.kernel), Staging(a.hidden_size, a.num_experts_per_tok, pin=cuda))
-    gemm = fp8_linear.Fp8Gemm(p.gpu.fp8_gemm, p.gpu.fp8_dequant_rows)
+    gemm = device_gemm(p, device)
     fused = pointwise.Fused(pointwise.warm_up(a, device, model.dtype))
     place(model, device, p.gpu.weights, gemm, fused, kernel_name(p.cpu.kernel), p.cpu.lm_head)
     if not cuda:
