@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from hybrid.kernels import triton_device
 from hybrid.kernels.fallback import compiled
 
 try:
@@ -38,7 +39,7 @@ def combine(y_RD: torch.Tensor, row_TK: torch.Tensor, w_TK: torch.Tensor, dtype:
     out_TD = torch.empty(T, D, dtype=dtype, device=y_RD.device)
     if T == 0:
         return out_TD
-    if fused and y_RD.is_cuda and triton is not None:
+    if fused and triton_device.runs(y_RD):
         grid = (T, triton.cdiv(D, BLOCK_D))
         _combine[grid](y_RD.contiguous(), row_TK.contiguous(), w_TK.float().contiguous(), out_TD, D, K=K,
                        BLOCK=BLOCK_D)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid.kernels.gemm import gemm as cpu_gemm
-from hybrid.kernels import mla_decode
+from hybrid.kernels import mla_decode, triton_device
 from hybrid.kernels.head_gemm import head_gemm
 from hybrid.weights import fp8
 
@@ -129,7 +129,7 @@ class Fp8Gemm:
     def path(self, x: torch.Tensor, block, m: int) -> str:
         """How m rows of x go through FP8 weights: `triton` (the FP8 GEMM), `dequant` (Triton dequantise + cuBLAS)
         or `torch` (torch ops dequantise: CPU, other dtypes or blocks, no Triton)."""
-        if triton is None or not x.is_cuda or x.dtype != torch.bfloat16 or tuple(block) != (128, 128):
+        if not triton_device.runs(x) or x.dtype != torch.bfloat16 or tuple(block) != (128, 128):
             return "torch"
         if self.backend == "triton" or (self.backend == "auto" and m < self.dequant_from_rows):
             return "triton"
@@ -294,7 +294,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block, dtype=torch.bfloat16
     GPU with 128×128 blocks. `out` ([N, K], rows contiguous) receives it when given."""
     if out is not None and tuple(out.shape) != tuple(q.shape):
         raise ValueError(f"dequantize: out is {tuple(out.shape)}, the weights {tuple(q.shape)}")
-    if triton is None or not q.is_cuda or tuple(block) != (128, 128) or (out is not None and out.stride(1) != 1):
+    if not triton_device.runs(q) or tuple(block) != (128, 128) or (out is not None and out.stride(1) != 1):
         w = fp8.dequantize(q, scale, block, dtype if out is None else out.dtype)
         return w if out is None else out.copy_(w)
     _check_layout(q, scale, block)

@@ -21,9 +21,9 @@ Legend: B sequences, H heads, C latent (kv_lora_rank), R rotary dims, T cached p
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from hybrid.kernels import triton_device
 
 try:
     import triton
@@ -35,13 +35,9 @@ CHUNK = 256  # positions per chunk: fixed, so a sequence's chunks are the same w
 HEADS_PER_BLOCK = 16
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def available(device: torch.device) -> bool:
     """Whether this path can run on `device` (Triton, a GPU; or Triton's interpreter, which tests use)."""
-    return triton is not None and (device.type == "cuda" or _interpreted())
+    return triton_device.runs(device)
 
 
 def mla_decode(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, kv_STC: torch.Tensor, pe_STR: torch.Tensor,
@@ -63,9 +59,7 @@ def mla_decode(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, kv_STC: torch.Te
     l_ = torch.empty_like(m)
     o = torch.empty(b, h, chunks, c, dtype=torch.float32, device=dev)
     out = torch.empty(b, h, c, dtype=torch.float32, device=dev)
-    # FP32 models: IEEE FP32 products (no TF32). Triton's interpreter (3.9) multiplies BF16 dots wrongly: there
-    # the operands go in as FP32 (exact for BF16 values; the sums are FP32 either way)
-    ieee = kv_STC.dtype == torch.float32 or _interpreted()
+    ieee = kv_STC.dtype == torch.float32  # FP32 models: IEEE FP32 products (no TF32)
     blocks = triton.cdiv(h, HEADS_PER_BLOCK)  # the last block's heads past h are masked
     _chunk[(b, blocks, chunks)](
         q_lat_BHC, q_pe_BHR, kv_STC, pe_STR, slots_B, lengths_B, m, l_, o, h, chunks, scale,
@@ -80,7 +74,7 @@ if triton is not None:
     @triton.jit
     def _dot(a, b, IEEE: tl.constexpr):
         if IEEE:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            return tl.dot(a, b, input_precision="ieee")
         return tl.dot(a, b)
 
     @triton.jit

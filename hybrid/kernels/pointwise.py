@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid.kernels import triton_device
 from hybrid.kernels.fallback import compiled
 
 try:
@@ -39,8 +40,9 @@ class Fused:
     min_rows: int = MIN_ROWS
 
     def applies(self, x: torch.Tensor, rows: int) -> bool:
-        return (self.enabled and triton is not None and x.is_cuda and rows >= self.min_rows
-                and x.dtype in (torch.bfloat16, torch.float32) and not torch.cuda.is_current_stream_capturing())
+        return (self.enabled and triton_device.runs(x) and rows >= self.min_rows
+                and x.dtype in (torch.bfloat16, torch.float32)
+                and not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
 
 
 FUSED = Fused()  # the kernels wherever they apply

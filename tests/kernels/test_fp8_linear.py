@@ -89,9 +89,10 @@ def test_unknown_backend_bad_row_threshold_and_unordered_tiles_are_refused():
 
 def test_auto_takes_the_fp8_gemm_for_few_rows_and_dequantises_for_many(monkeypatch):
     class Cuda:  # what path() reads of a CUDA BF16 activation
-        is_cuda, dtype = True, torch.bfloat16
+        device, dtype = torch.device("cuda"), torch.bfloat16
 
-    monkeypatch.setattr(fl, "triton", fl.triton or object())  # the choice as made where Triton is installed
+    # the choice as made where Triton is installed
+    monkeypatch.setattr(fl.triton_device, "triton", fl.triton_device.triton or object())
     auto = fl.Fp8Gemm("auto", 512)
     assert [auto.path(Cuda, (128, 128), m) for m in (1, 511, 512, 9000)] == ["triton"] * 2 + ["dequant"] * 2
     assert auto.path(Cuda, (64, 64), 1) == "torch"

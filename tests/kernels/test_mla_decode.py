@@ -5,14 +5,9 @@ skipping, the combine's order), not the GPU's arithmetic; the GPU test in tests/
 the tokens there."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
-
-pytest.importorskip("triton", reason="needs Triton (its interpreter runs the kernels on the CPU)")
+from tests.kernels.interpreted import run
 
 CHECK = textwrap.dedent("""
     import torch
@@ -70,9 +65,7 @@ CHECK = textwrap.dedent("""
 
 
 def test_mla_decode_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when the kernels are defined: a process of its own
-    p = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout + p.stderr
+    run(CHECK)
 
 
 ENGINE = textwrap.dedent("""
@@ -132,7 +125,4 @@ def test_an_engine_on_the_invariant_path_keeps_solo_tokens(tiny_dir):
     """The tiny model with the GPU's batch-invariant gemm object (padded rows, attention read from the cache in
     chunks) run by the interpreter on the CPU: requests arriving mid-decode keep their solo tokens, and a decode
     step gives the einsum path's logits."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    p = subprocess.run([sys.executable, "-c", ENGINE, str(tiny_dir)], capture_output=True, text=True, env=env,
-                       timeout=600)
-    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout + p.stderr
+    run(ENGINE, str(tiny_dir))

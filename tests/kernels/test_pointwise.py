@@ -76,9 +76,9 @@ def test_the_gate_needs_a_gpu_enough_rows_and_the_kernels_on(monkeypatch):
     assert not pw.FUSED.applies(x, 2048)  # on the CPU the torch forms run, whatever the size
 
     class Cuda:  # what the gate reads of a CUDA activation
-        is_cuda, dtype = True, torch.bfloat16
+        device, dtype = torch.device("cuda"), torch.bfloat16
 
-    monkeypatch.setattr(pw, "triton", pw.triton or object())
+    monkeypatch.setattr(pw.triton_device, "triton", pw.triton or object())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert pw.FUSED.applies(Cuda, pw.MIN_ROWS) and not pw.FUSED.applies(Cuda, pw.MIN_ROWS - 1)
     assert not pw.Fused(enabled=False).applies(Cuda, 10 * pw.MIN_ROWS)
