@@ -82,7 +82,7 @@ class ModelConfig:
             raise ValueError(f"model '{self.name}': set model.path (a checkpoint directory) or model.synthetic")
 
 
-KERNELS = ("amx", "avx512_bf16", "avx2", "generic")  # CPU kernel ISA variants (hybrid/kernels/dispatch.py VARIANTS)
+KERNELS = ("amx", "avx512_bf16", "avx512", "avx2", "generic")  # CPU kernel ISA variants (hybrid/kernels/dispatch.py VARIANTS)
 
 
 def _at_least(group: object, path: str, low: int, *knobs: str, optional: bool = False) -> None:
@@ -107,7 +107,7 @@ def _one_of(group: object, path: str, knob: str, choices: tuple) -> None:
 class CpuPolicy:
     """The CPU expert kernels (hybrid/kernels/, placement's CpuExperts)."""
     threads: Optional[int] = None  # threads of the kernels; null = the profile's physical cores, else the machine's
-    kernel: Optional[str] = None  # ISA: null (HYBRID_CPU_KERNEL, else the best) | amx | avx512_bf16 | avx2 | generic
+    kernel: Optional[str] = None  # ISA: null (HYBRID_CPU_KERNEL, else the best) | amx | avx512_bf16 | avx512 | avx2 | generic
     moe_backend: str = "native"  # routed experts: native (the C++ CPU kernels) | torch (reference path)
     gemm_tile_tokens: int = 64  # tokens per expert from which FP8 tiles are converted once and reused
     amx_min_tokens: int = 8  # kernel amx: tokens per expert from which AMX tiles run (a first guess, to be measured)
@@ -164,7 +164,7 @@ class DecodePolicy:
     batch_cap: int = 6  # most requests running at once (holding a KV slot: prefilling or decoding)
     cuda_graphs: str = "hostfn"  # CUDA graphs: hostfn (one graph, CPU hand-off as host nodes) | segments | off
     dual_batch: bool = False  # >= 2 decoding: two micro-batches, one's GPU work beside the other's CPU experts
-    batch_invariant: bool = True  # GPU: a sequence's decode numbers independent of its batch mates (placement)
+    batch_invariant: bool = False  # GPU: a sequence's decode numbers independent of its batch mates (placement)
 
     def __post_init__(self) -> None:
         _at_least(self, "decode", 1, "batch_cap")

@@ -122,14 +122,17 @@ def test_host_job_reports_a_bad_call_instead_of_crashing(tiny_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("invariant", [False, True])
 @pytest.mark.parametrize("mode", ["hostfn", "segments"])
-def test_graphed_decode_matches_eager(mode):
+def test_graphed_decode_matches_eager(mode, invariant):
     outputs = []
     for graphs in ("off", mode):
         s = to_settings(compose(["+hw=h200_xeon16", "policy.adapt_to_hardware=true", "model.dtype=float32",
-                                 f"policy.decode.cuda_graphs={graphs}", "policy.kv.max_batch=2", "policy.decode.batch_cap=2"]))
+                                 f"policy.decode.cuda_graphs={graphs}", "policy.kv.max_batch=2",
+                                 "policy.decode.batch_cap=2", f"policy.decode.batch_invariant={str(invariant).lower()}"]))
         engine = build(s, s.hw, progress=False)
         assert (engine.parts["graphs"] is None) == (graphs == "off") and engine.plan.cuda_graphs == graphs
+        assert bool(engine.plan.gpu_pad_rows) == invariant
         prompts = [list(range(2, 40)), list(range(50, 61))]  # two sequences, then one after the other ends
         out = [c.output_ids for c in engine.generate(prompts, SamplingParams(300))]  # KV buckets 256 -> 512
         outputs.append(out)

@@ -148,6 +148,7 @@ def test_graphed_dual_batch_keeps_solo_tokens(graphs):
     finishing at different steps keep their solo tokens (each alone through the same engine)."""
     s = to_settings(compose(["+hw=h200_xeon16", "policy.adapt_to_hardware=true", "model.dtype=float32",
                              f"policy.decode.cuda_graphs={graphs}", "policy.decode.dual_batch=true",
+                             "policy.decode.batch_invariant=true",
                              "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "policy.kv.max_context=512"]))
     engine = build(s, s.hw, progress=False)
     v = engine.model.args.vocab_size
