@@ -55,7 +55,7 @@ def test_generate_run_is_tracked(mlflow_runs, tmp_path):
     assert r.data.params["policy.cpu.gemm_tile_tokens"] == "64" and int(r.data.params["hw.cpu.cores"]) >= 1
     # the resolved plan beside the policy: what the nulls became
     assert r.data.params["plan.device"] == "cpu" and int(r.data.params["plan.threads"]) >= 1
-    assert r.data.params["plan.cpu_kernel"] in ("amx", "avx512_bf16", "avx2", "generic")
+    assert r.data.params["plan.cpu_kernel"] in ("amx", "avx512_bf16", "avx512", "avx2", "generic")
     assert {"ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s"} <= set(r.data.metrics)
     files = {a.path for a in c.list_artifacts(r.info.run_id)}
     plots = {a.path for a in c.list_artifacts(r.info.run_id, "plots")}

@@ -18,7 +18,8 @@
 namespace hybrid {
 namespace {
 
-const char* kAvx512Needs[] = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi"};
+const char* kAvx512Bf16Needs[] = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi"};
+const char* kAvx512Needs[] = {"avx512f", "avx512bw", "avx512vl", "avx512_vbmi"};
 const char* kAvx2Needs[] = {"avx2", "fma", "f16c"};
 const char* kAmxNeeds[] = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi", "amx_tile", "amx_bf16"};
 
@@ -60,16 +61,18 @@ const char* isa_name(Isa isa) {
     case Isa::amx: return "amx";
     case Isa::amx_emulated: return "amx_emulated";
     case Isa::avx512_bf16: return "avx512_bf16";
+    case Isa::avx512: return "avx512";
     case Isa::avx2: return "avx2";
     default: return "generic";
   }
 }
 
 Isa best_isa() {
-  static const Isa best = amx_unavailable().empty()       ? Isa::amx
-                          : missing(kAvx512Needs).empty() ? Isa::avx512_bf16
-                          : missing(kAvx2Needs).empty()   ? Isa::avx2
-                                                          : Isa::generic;
+  static const Isa best = amx_unavailable().empty()           ? Isa::amx
+                          : missing(kAvx512Bf16Needs).empty() ? Isa::avx512_bf16
+                          : missing(kAvx512Needs).empty()     ? Isa::avx512
+                          : missing(kAvx2Needs).empty()       ? Isa::avx2
+                                                              : Isa::generic;
   return best;
 }
 
@@ -83,13 +86,16 @@ Isa resolve_isa(const std::string& name) {
     why = amx_unavailable();
     isa = Isa::amx;
   } else if (name == "avx512_bf16") {
-    why = missing(kAvx512Needs);
+    why = missing(kAvx512Bf16Needs);
     isa = Isa::avx512_bf16;
+  } else if (name == "avx512") {
+    why = missing(kAvx512Needs);
+    isa = Isa::avx512;
   } else if (name == "avx2") {
     why = missing(kAvx2Needs);
     isa = Isa::avx2;
   } else {
-    throw std::invalid_argument("unknown CPU kernel '" + name + "' (auto, amx, avx512_bf16, avx2 or generic)");
+    throw std::invalid_argument("unknown CPU kernel '" + name + "' (auto, amx, avx512_bf16, avx512, avx2 or generic)");
   }
   if (!why.empty()) throw std::invalid_argument("CPU kernel '" + name + "' " + why);
   return isa;
@@ -99,9 +105,16 @@ XLayout x_layout(Isa isa, const GemmProblem& p) {
   switch (isa) {
     case Isa::amx: return amx_tiles(p) ? XLayout::amx : XLayout::avx512;
     case Isa::amx_emulated: return amx_tiles(p) ? XLayout::amx : XLayout::plain;
-    case Isa::avx512_bf16: return XLayout::avx512;
+    case Isa::avx512_bf16:
+    case Isa::avx512: return XLayout::avx512;
     default: return XLayout::plain;
   }
+}
+
+void prepare_x_rows(Isa isa, XLayout layout, const GemmProblem& p, uint16_t* out) {
+  if (layout == XLayout::amx) prepare_x_amx(p, out);
+  else if (layout == XLayout::avx512 && isa == Isa::avx512) prepare_x_avx512_nobf16(p, out);
+  else if (layout == XLayout::avx512) prepare_x_avx512(p, out);  // avx512_bf16, amx below its tile size
 }
 
 int64_t x_rows(XLayout layout, int64_t M) { return layout == XLayout::amx ? amx_rows_padded(M) : M; }
@@ -110,7 +123,8 @@ int64_t scratch_elems(Isa isa, int64_t K) {
   switch (isa) {
     case Isa::amx: return std::max(kAmxBufElems, tile_buf_elems(K));
     case Isa::amx_emulated: return kAmxBufElems;
-    case Isa::avx512_bf16: return tile_buf_elems(K);
+    case Isa::avx512_bf16:
+    case Isa::avx512: return tile_buf_elems(K);
     default: return 0;
   }
 }
@@ -126,6 +140,7 @@ void gemm_rows(Isa isa, const GemmProblem& p, const uint16_t* xprep, int64_t n0,
       if (amx_tiles(p)) return gemm_rows_amx_emulated(p, xprep, n0, n1, tile);
       return gemm_rows_generic(p, n0, n1);
     case Isa::avx512_bf16: return gemm_rows_avx512(p, xprep, n0, n1, tile);
+    case Isa::avx512: return gemm_rows_avx512_nobf16(p, xprep, n0, n1, tile);
     case Isa::avx2: return gemm_rows_avx2(p, n0, n1);
     default: return gemm_rows_generic(p, n0, n1);
   }

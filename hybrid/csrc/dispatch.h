@@ -14,6 +14,9 @@ const char* isa_name(Isa isa);
 // The activations a problem's kernel reads: p.x as is, prepared by prepare_x_avx512, or by prepare_x_amx.
 enum class XLayout { plain, avx512, amx };
 XLayout x_layout(Isa isa, const GemmProblem& p);
+// Writes p's activations in `layout` to out (x_rows(layout, p.M) rows of padded_k(p.K)) with isa's code; plain:
+// nothing to do.
+void prepare_x_rows(Isa isa, XLayout layout, const GemmProblem& p, uint16_t* out);
 // Rows of prepared activations a problem of M tokens needs (the AMX layout pads M to 16).
 int64_t x_rows(XLayout layout, int64_t M);
 // Per-thread scratch a variant's kernels need for a reduction length K, in uint16 elements (0: none).

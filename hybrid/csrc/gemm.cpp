@@ -90,8 +90,7 @@ void prepare_x(Isa isa, const GemmProblem& p, Scratch<uint16_t>& buf, const uint
   const XLayout layout = x_layout(isa, p);
   if (layout == XLayout::plain) return;
   uint16_t* out = buf.get(x_rows(layout, p.M) * padded_k(p.K));
-  if (layout == XLayout::amx) prepare_x_amx(p, out);
-  else prepare_x_avx512(p, out);
+  prepare_x_rows(isa, layout, p, out);
   *xprep = out;
 }
 

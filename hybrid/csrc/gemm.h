@@ -11,7 +11,8 @@ namespace hybrid {
 enum class WeightType { fp8, bf16 };
 // amx: the AVX-512 kernel below amx_min_m tokens, AMX tiles from there on (gemm_amx.h); amx_emulated: the same
 // tiling with the tile operations emulated in plain C++ (any CPU; it checks the AMX path's layouts, not its speed).
-enum class Isa { generic = 0, avx2 = 1, avx512_bf16 = 2, amx = 3, amx_emulated = 4 };
+// avx512: the avx512_bf16 kernel for AVX-512 CPUs without BF16 instructions (vdpbf16ps emulated with FP32 FMAs).
+enum class Isa { generic = 0, avx2 = 1, avx512_bf16 = 2, amx = 3, amx_emulated = 4, avx512 = 5 };
 
 constexpr int kBlock = 128;  // FP8 scale block (both dims)
 
@@ -49,6 +50,13 @@ void prepare_x_avx512(const GemmProblem& p, uint16_t* xprep);
 // buf + r*ld + (c-c0)*64 (zeros past K); `prefetch`: bytes ahead of each load to prefetch (0: none).
 void convert_rows_avx512(const GemmProblem& p, int64_t n, int64_t count, int64_t c0, int64_t c1, int64_t prefetch,
                          uint16_t* buf, int64_t ld);
+// The same three for variant avx512 (gemm_avx512.cpp compiled without -mavx512bf16, gemm_avx512_nobf16.cpp): the
+// same activation layout (XLayout::avx512), tile buffer and results up to the FP32 summation order.
+void gemm_rows_avx512_nobf16(const GemmProblem& p, const uint16_t* xprep, int64_t n0, int64_t n1,
+                             uint16_t* tile_buf);
+void prepare_x_avx512_nobf16(const GemmProblem& p, uint16_t* xprep);
+void convert_rows_avx512_nobf16(const GemmProblem& p, int64_t n, int64_t count, int64_t c0, int64_t c1,
+                                int64_t prefetch, uint16_t* buf, int64_t ld);
 // Scratch the AVX-512 prefill path needs per thread (a converted weight tile), in uint16 elements.
 constexpr int64_t kTileRows = 16;
 static inline int64_t tile_buf_elems(int64_t K) { return kTileRows * padded_k(K); }

@@ -63,10 +63,10 @@ const std::string& avx512_lacks() {
   return lacks;
 }
 
-// auto: the AVX-512 code wherever the CPU has AVX-512 F/BW/VL, also where the GEMM's best variant is avx2 (AVX-512
-// without BF16: on such a Xeon the AVX-512 code reads the key half at 36 GB/s per thread from L2 against the AVX2
-// code's 30, 16-17 against 13-14 GB/s from memory on 2 threads; docs/perf-notes.md); a named variant runs its own
-// ISA's code (policy.cpu.kernel=avx2 forces the AVX2 code, as for the GEMM).
+// auto: the AVX-512 code wherever the CPU has AVX-512 F/BW/VL, also where the GEMM's best variant is avx512 or
+// avx2 (AVX-512 without BF16: on such a Xeon the AVX-512 code reads the key half at 36 GB/s per thread from L2
+// against the AVX2 code's 30, 16-17 against 13-14 GB/s from memory on 2 threads; docs/perf-notes.md); a named
+// variant runs its own ISA's code (policy.cpu.kernel=avx2 forces the AVX2 code, as for the GEMM).
 HeadCode head_code(const std::string& name) {
   if (name == "avx512") {
     const std::string& lacks = avx512_lacks();
@@ -76,7 +76,8 @@ HeadCode head_code(const std::string& name) {
   if (name == "auto" && avx512_lacks().empty()) return HeadCode::avx512;
   switch (resolve_isa(name)) {  // the GEMM's variant names and checks; each variant's CPUs have the code's ISA
     case Isa::amx:
-    case Isa::avx512_bf16: return HeadCode::avx512;
+    case Isa::avx512_bf16:
+    case Isa::avx512: return HeadCode::avx512;
     case Isa::avx2: return HeadCode::avx2;
     default: return HeadCode::generic;  // generic, amx_emulated
   }

@@ -215,8 +215,7 @@ void MoELayer::prepare_expert(int e) {
     for (int64_t r = 0; r < p.rows[e]; ++r)
       std::memcpy(p.xg.data() + (base + r) * D_, p.x + p.token[base + r] * p.ldx, D_ * sizeof(uint16_t));
     const GemmProblem q{p.xg.data() + base * D_, D_, nullptr, 0, nullptr, 0, nullptr, 0, p.rows[e], 0, D_, wt_};
-    if (p.layout[e] == XLayout::avx512) prepare_x_avx512(q, p.xprep.data() + p.prow0[e] * p.ldxp);
-    if (p.layout[e] == XLayout::amx) prepare_x_amx(q, p.xprep.data() + p.prow0[e] * p.ldxp);
+    prepare_x_rows(p.isa, p.layout[e], q, p.xprep.data() + p.prow0[e] * p.ldxp);
     p.prep[e].store(2, std::memory_order_release);
   }
   while (p.prep[e].load(std::memory_order_acquire) != 2) _mm_pause();

@@ -18,7 +18,7 @@ class Plan:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # CPU experts
     threads: int = 1
-    cpu_kernel: str = "auto"  # the ISA variant the native kernels run (resolved: amx | avx512_bf16 | avx2 | generic)
+    cpu_kernel: str = "auto"  # the ISA variant the native kernels run (resolved: amx | avx512_bf16 | avx512 | avx2 | generic)
     cpu_gemm_tile_tokens: int = 64
     cpu_amx_min_tokens: int = 8
     moe_backend: str = "native"

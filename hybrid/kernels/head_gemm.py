@@ -21,7 +21,7 @@ def head_gemm(x_MHI: torch.Tensor, w: torch.Tensor, by_rows: bool, out: Optional
     """x [M, H, I] bf16 (last dim contiguous); w [H, I, O] (by_rows) or [H, O, I] bf16, rows contiguous;
     -> [M, H, O] bf16 (`out`, contiguous, when given). `kernel`: a GEMM variant name (policy.cpu.kernel; auto
     takes the AVX-512 code wherever the CPU has AVX-512 F/BW/VL: it needs no BF16 instructions), or "avx512"
-    (that code by name, for CPUs where the GEMM's AVX-512 variant cannot run: tests, benchmarks)."""
+    (that code by name; also the GEMM's variant for AVX-512 without BF16, but the head code needs F/BW/VL only)."""
     if x_MHI.dim() != 3 or w.dim() != 3:
         raise ValueError(f"head_gemm: x [M, H, I] and w [H, ., .], got {tuple(x_MHI.shape)} and {tuple(w.shape)}")
     if out is None:

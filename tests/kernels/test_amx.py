@@ -211,5 +211,5 @@ def test_bench_times_amx_beside_avx512():
     assert kernels_timed([], "generic") == ["generic"]
     if HAS_AMX:
         assert kernels_timed([], "amx") == ["amx", "avx512_bf16"] == kernels_timed([], None)
-    with pytest.raises(ValueError, match="bench.cpu_kernels takes amx, avx512_bf16, avx2, generic"):
+    with pytest.raises(ValueError, match="bench.cpu_kernels takes amx, avx512_bf16, avx512, avx2, generic"):
         BenchConfig(cpu_kernels=["amx_emulated"])

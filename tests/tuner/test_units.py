@@ -44,7 +44,9 @@ def test_space_from_conf_resolved_for_the_machine(tune_cfg):
     assert cfg.policy == PolicyConfig(), "the engine's values survive the tuner's schema"
     space = sp.resolve(cfg, False, cores=4, kernels=["avx2", "generic"])
     assert space["cpu.threads"] == {"type": "int", "low": 1, "high": 4, "log": False}
-    assert space["cpu.kernel"]["choices"] == [None, "avx2", "generic"]  # avx512_bf16 dropped: this CPU lacks it
+    assert space["cpu.kernel"]["choices"] == [None, "avx2", "generic"]  # the AVX-512 ones dropped: this CPU lacks them
+    no_bf16 = sp.resolve(cfg, False, cores=4, kernels=["avx512", "avx2", "generic"])  # AVX-512 without BF16
+    assert no_bf16["cpu.kernel"]["choices"] == [None, "avx512", "avx2", "generic"]
     assert space["cpu.gemm_tile_tokens"]["choices"] == [8, 16, 32, 64, 128]
     assert space["cpu.moe_backend"]["choices"] == ["native", "torch"]
 
