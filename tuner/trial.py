@@ -138,9 +138,15 @@ class Worker:
             out.detail = f"trial worker exited with status {code}\n{detail}"
             return out
         out.builds = reply.get("builds", 0)
-        if reply["status"] != "ok":
-            out.status = "oom" if _oom(reply["error"]) or _oom(detail) else "crash"
-            out.detail = f"{detail}\n{reply['error']}"
+        if reply.get("status") != "ok":
+            error = reply.get("error") or f"error: the trial worker's reply has status {reply.get('status')!r}"
+            out.status = "oom" if _oom(error) or _oom(detail) else "crash"
+            out.detail = f"{detail}\n{error}"
+            return out
+        if not isinstance(reply.get("metrics"), dict):  # a worker out of step with the protocol (tuner/worker.py)
+            out.status = "crash"
+            out.detail = (f"{detail}\nerror: the trial worker's reply to {request.get('op')!r} has no 'metrics' "
+                          f"(keys: {', '.join(sorted(reply))})")
             return out
         out.metrics, out.report = reply["metrics"], reply.get("report", {})
         out.build_s, out.measure_s = reply.get("build_s", 0.0), reply.get("measure_s", 0.0)

@@ -7,6 +7,7 @@ changes only rebuildable knobs costs its measurement alone. The tuner restarts t
     {"op": "trial", "trial": 3, "policy": {"decode.batch_cap": 4, ...}, "measure": "workload" | "slo"}
     {"op": "crossover", "policy": {...}, "lengths": [32, 64, 128, 256]}
  -> {"status": "ok", "metrics": {...}, "report": {"records": [...], "plan": {...}, ...}, "builds": 1, ...}
+    (a crossover's metrics: {"slp": [[length, ttft_s], ...], "cpu": [...], "cutoff": tokens}, and no report)
  -> {"status": "error", "error": "ValueError: ...", "builds": 1, "alive": false}
 
 After an error in a build or a measurement the worker exits (its engine may be half-changed); a policy refused
@@ -84,9 +85,12 @@ class TrialWorker:
     def crossover(self, req: dict) -> dict:
         from hybrid.bench.prefill import both_paths, cutoff_at
 
-        engine, _ = self.engine_for(self.settings(req["policy"]))
+        engine, build_s = self.engine_for(self.settings(req["policy"]))
+        t0 = time.perf_counter()
         slp, cpu = both_paths(engine, list(req["lengths"]))
-        return {"slp": slp, "cpu": cpu, "cutoff": cutoff_at(slp, cpu)}
+        # Under "metrics", as every ok reply (the protocol above): what Worker.call hands the tuner's set_cutoff.
+        return {"metrics": {"slp": slp, "cpu": cpu, "cutoff": cutoff_at(slp, cpu)}, "build_s": build_s,
+                "measure_s": time.perf_counter() - t0}
 
 
 def measure_workload(engine, s) -> tuple[dict[str, float], list[dict]]:

@@ -124,7 +124,11 @@ if triton is not None:
         mm = tl.full((HB,), float("-inf"), dtype=tl.float32)
         ll = tl.zeros((HB,), dtype=tl.float32)
         acc = tl.zeros((HB, C), dtype=tl.float32)
-        for j in range(0, tl.cdiv(length, CH)):  # this sequence's chunks, in order
+        # This sequence's chunks, in order, up to its own last one. A `while` on a scalar condition, not a `range`:
+        # the interpreter of Triton <= 3.6 holds every non-constexpr scalar (a loaded one, an int argument such as
+        # n_chunks) as a 1-element array, which `range` cannot take (int() of it fails) but a condition can.
+        j = tl.zeros_like(length)
+        while j * CH < length:
             row = (b * H + heads) * n_chunks + j
             mj = tl.load(m_ptr + row, mask=live, other=0.0)
             new = tl.maximum(mm, mj)
@@ -133,4 +137,5 @@ if triton is not None:
                                                 other=0.0) * add[:, None]
             ll = ll * keep + tl.load(l_ptr + row, mask=live, other=1.0) * add
             mm = new
+            j += 1
         tl.store(out_ptr + (b * H + heads[:, None]) * C + cc[None, :], acc / ll[:, None], mask=live[:, None])
