@@ -36,7 +36,32 @@ def resolve(cfg: TuneConfig, gpu: bool, cores: int, kernels: list[str]) -> dict[
         if knob.step is not None:
             spec["step"] = cast(knob.step)
         out[name] = spec
+    check_values(cfg, gpu, out)
     return out
+
+
+def check_values(cfg: TuneConfig, gpu: bool, space: dict[str, dict[str, Any]]) -> None:
+    """Every choice (and an int or float knob's two ends) is a value the policy's schema takes for that knob, on the
+    current policy: a space that would only fail trials is refused before the first one, naming the knob."""
+    from tuner.policy import checked  # the schema's merge and checks, as each trial's policy goes through
+
+    for name, spec in space.items():
+        values = spec["choices"] if spec["type"] == "categorical" else [spec["low"], spec["high"]]
+        for value in values:
+            try:
+                checked(cfg.policy, {name: value})
+            except ValueError as e:
+                hint = (" (YAML reads an unquoted off/on/yes/no as a boolean: quote it)"
+                        if isinstance(value, bool) and not isinstance(_current(cfg, name), bool) else "")
+                raise ConfigError(f"tuner.spaces.{'gpu' if gpu else 'cpu_only'}.{name}: {value!r} is not a value of "
+                                  f"policy.{name}{hint}: {str(e).splitlines()[0]}") from None
+
+
+def _current(cfg: TuneConfig, name: str) -> Any:
+    node: Any = cfg.policy
+    for part in name.split("."):
+        node = getattr(node, part, None)
+    return node
 
 
 def reload_knobs(cfg: TuneConfig, gpu: bool, rebuildable: frozenset) -> set[str]:

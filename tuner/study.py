@@ -281,10 +281,14 @@ class Tuner:
         if out is not None:
             objective = {k: v for k, v in zip(self.metrics, ft.values)} if ok and ft.values else {}
             best_value = best.values[0] if best is not None and len(self.metrics) == 1 else None
-            self.tracker.finish_child(run_id, {"number": ft.number, "state": state, "feasible": feas}, out,
-                                      self.trial_params(params, out), objective, best_value, log,
-                                      self.trial_config(params), f"trial {ft.number}: {self.cfg.model.name} on "
-                                      f"{self.cfg.hw.name}")
+            try:
+                logged, config = self.trial_params(params, out), self.trial_config(params)
+            except ValueError as e:  # a policy the schema refused (the trial failed on it): its knobs as sampled
+                logged = {f"policy.{k}": str(v) for k, v in params.items()}
+                config = f"# refused: {e}\n" + "".join(f"{k}: {v!r}\n" for k, v in params.items())
+            self.tracker.finish_child(run_id, {"number": ft.number, "state": state, "feasible": feas}, out, logged,
+                                      objective, best_value, log, config, f"trial {ft.number}: {self.cfg.model.name} "
+                                      f"on {self.cfg.hw.name}")
         if counted(study.get_trials(deepcopy=False)) >= self.cfg.tuner.n_trials:
             study.stop()
 

@@ -31,9 +31,10 @@ def test_intervals_count_a_step_spanning_the_window_whole():
     assert _intervals(times, 0.5, 10.5) == [1.0, 1.0, 8.0, 1.0]
 
 
-def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):
+def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on the CPU on a GPU machine too
     env = {**os.environ, "HYBRID_RUNS_DIR": str(tmp_path)}
-    args = ["mode=bench", "bench=concurrency", "output=json", "bench.long_prompt_tokens=160", "bench.prompt_tokens=8",
+    args = ["mode=bench", "bench=concurrency", "+hw=cpu_only",
+            "output=json", "bench.long_prompt_tokens=160", "bench.prompt_tokens=8",
             "bench.new_tokens=6", "bench.roof_gb=0.05", "policy.prefill.chunk_tokens=16", "policy.kv.max_context=256",
             "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "bench.scenarios=[1D,2D,1P,1P+1D,1P+2D]",
             "bench.stream_caps=[10]", "bench.dual_batch=true"]

@@ -87,7 +87,8 @@ def test_decode_bytes_count_the_routed_experts_placement_took_out_of_the_tree(ti
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_slo_on_a_gpu_profile_is_bounded_by_the_routed_experts(tiny_dir):
-    s = to_settings(compose(["+hw=h200_xeon16", "policy.adapt_to_hardware=true", "mode=bench", "bench=slo", *SMALL,
+    s = to_settings(compose(["+hw=h200_xeon16", "policy=default",
+                             "policy.adapt_to_hardware=true", "mode=bench", "bench=slo", *SMALL,
                              "bench.repeats=1", "bench.roof_gb=0.1", "tracking.enabled=false"]))
     recs = {r.name: r for r in run(s)}
     d, roof = recs["decode_tok_s"], recs["read_roof"].value

@@ -11,10 +11,11 @@ import torch
 
 from hybrid.engine.build import slot_bytes
 from hybrid.engine.engine import Engine
-from hybrid.engine.placement import experts_to_cpu_kernels
+from hybrid.engine.placement import experts_to_cpu_kernels, pin_experts
 from hybrid.engine.plan import Plan
 from hybrid.engine.requests import FinishReason, SamplingParams
 from hybrid.errors import ConfigError
+from hybrid.prefill import slp
 from hybrid.prefill.slp import Pipeline, StreamLoader
 from hybrid.prefill.throttle import Throttle
 from hybrid.weights.checkpoint import Checkpoint
@@ -177,6 +178,41 @@ def test_the_stream_is_paced_while_requests_decode_and_not_when_none_does(hybrid
     assert free < paced / 2, f"nothing decoding, yet the stream was paced ({free:.2f} s vs {paced:.2f} s)"
 
 
+@pytest.fixture(scope="module")
+def pinned(tiny_dir):
+    """The tiny model with its routed experts in one arena per layer (pin_experts, unpinned on the CPU): the one-copy
+    path of the loader, as on a GPU."""
+    model = load_model(Checkpoint(tiny_dir), torch.float32, progress=False)
+    experts_to_cpu_kernels(model)
+    pin_experts(model, pin=False)
+    return model
+
+
+def test_a_paced_stream_copies_each_expert_in_pieces_and_keeps_tokens(pinned, monkeypatch):
+    """Beside decode with a cap, an expert's one copy goes in pieces of PACED_COPY_BYTES, each announced to the
+    throttle (decode's small copies wait behind one piece at most); at full speed, one copy per expert."""
+    slot = slot_bytes(pinned)
+    piece = slot // 3 + 64
+    monkeypatch.setattr(slp, "PACED_COPY_BYTES", piece)
+    waits, real_wait = [], Throttle.wait
+
+    def wait(self, nbytes, stop=None):
+        waits.append((nbytes, self.rate is not None))
+        return real_wait(self, nbytes, stop)
+
+    monkeypatch.setattr(Throttle, "wait", wait)
+    short, long_ = (_prompt(10, 1), _greedy(60)), (_prompt(40, 2), _greedy(4))
+    got = _run(_engine(pinned, cap=BIG), {0: [short], 2: [long_]})
+    paced = [n for n, capped in waits if capped]
+    experts = 2 * 16  # the tiny model's MoE layers x routed experts, each streamed once
+    assert sorted(set(paced)) == sorted({piece, slot - 2 * piece}) and len(paced) == 3 * experts, waits[:8]
+    for rid, (prompt, params) in zip(sorted(got), (short, long_)):
+        assert got[rid][0] == _engine(pinned).generate([prompt], params)[0].output_ids
+    waits.clear()
+    _engine(pinned, cap=BIG).generate([long_[0]], long_[1])  # nothing decodes: unpaced, one copy each
+    assert [n for n, _ in waits] == [slot] * experts and not any(capped for _, capped in waits)
+
+
 def test_throttle_paces_announced_copies():
     now = [0.0]
     t = Throttle(1e9, clock=lambda: now[0])
@@ -205,7 +241,7 @@ def test_gpu_prefill_beside_graphed_decode_keeps_solo_tokens(cap):
     from hybrid.config.compose import compose, to_settings
     from hybrid.engine.build import build
 
-    overrides = ["+hw=h200_xeon16", "policy.adapt_to_hardware=true", "model.dtype=float32",
+    overrides = ["+hw=h200_xeon16", "policy=default", "policy.adapt_to_hardware=true", "model.dtype=float32",
                  "policy.decode.cuda_graphs=hostfn", "policy.kv.max_batch=3", "policy.decode.batch_cap=3",
                  "policy.kv.max_context=512", "policy.prefill.slp_cutoff_tokens=32", "policy.prefill.beside_decode=true",
                  "policy.decode.batch_invariant=true"]

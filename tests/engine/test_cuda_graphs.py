@@ -127,7 +127,8 @@ def test_host_job_reports_a_bad_call_instead_of_crashing(tiny_dir):
 def test_graphed_decode_matches_eager(mode, invariant):
     outputs = []
     for graphs in ("off", mode):
-        s = to_settings(compose(["+hw=h200_xeon16", "policy.adapt_to_hardware=true", "model.dtype=float32",
+        s = to_settings(compose(["+hw=h200_xeon16", "policy=default",
+                                 "policy.adapt_to_hardware=true", "model.dtype=float32",
                                  f"policy.decode.cuda_graphs={graphs}", "policy.kv.max_batch=2",
                                  "policy.decode.batch_cap=2", f"policy.decode.batch_invariant={str(invariant).lower()}"]))
         engine = build(s, s.hw, progress=False)
@@ -149,7 +150,7 @@ def test_graphed_decode_serves_a_changing_set_of_slots_with_solo_tokens():
     equal its tokens alone through the same engine configuration."""
     from tests.engine.test_serving import _drive, _greedy
 
-    overrides = ["+hw=h200_xeon16", "policy.adapt_to_hardware=true", "model.dtype=float32",
+    overrides = ["+hw=h200_xeon16", "policy=default", "policy.adapt_to_hardware=true", "model.dtype=float32",
                  "policy.decode.cuda_graphs=hostfn", "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "policy.kv.max_context=512"]
     s = to_settings(compose(overrides))
     engine = build(s, s.hw, progress=False)

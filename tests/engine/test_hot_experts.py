@@ -109,7 +109,8 @@ def _model_from_settings():
 def test_gpu_engine_with_resident_experts_matches_without():
     outputs = []
     for n in (0, 4):
-        s = to_settings(compose(["+hw=h200_xeon16", "policy.adapt_to_hardware=true", "model.dtype=float32",
+        s = to_settings(compose(["+hw=h200_xeon16", "policy=default",
+                                 "policy.adapt_to_hardware=true", "model.dtype=float32",
                                  f"policy.gpu.experts_per_layer={n}"]))
         engine = build(s, s.hw, progress=False)
         outputs.append([engine.generate([list(range(2, 40))], SamplingParams(16))[0].output_ids])

@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from hybrid.config.compose import to_settings
 from hybrid.config.schema import PolicyConfig, register as register_engine
 from hybrid.engine.build import REBUILDABLE
+from hybrid.errors import ConfigError
 from tuner import policy, space as sp, trial
 from tuner.config import TuneConfig, flat_params, register as register_tuner
 from tuner.select import pareto_front
@@ -80,6 +81,26 @@ def test_space_rejects_what_is_not_a_knob(tune_cfg):
                 "+tuner.spaces.cpu_only.cpu_threads={type:int,low:1,high:2}"):  # the flat name of before
         with pytest.raises(Exception, match="not a policy knob"):
             tune_cfg(bad)
+
+
+def test_every_value_of_the_default_spaces_is_a_policy_value(tune_cfg):
+    """Both kinds of profile, every choice and range end through the policy's schema (resolve checks them): the GPU
+    space's `cuda_graphs: off` once read as YAML's false and failed its trials."""
+    cfg = tune_cfg()
+    for gpu in (False, True):
+        space = sp.resolve(cfg, gpu, cores=4, kernels=["avx512_bf16", "avx2", "generic"])
+        assert space, "a space to check"
+    assert "off" in sp.resolve(cfg, True, 4, ["avx2"])["decode.cuda_graphs"]["choices"]
+
+
+def test_a_space_value_the_policy_refuses_fails_before_any_trial(tune_cfg):
+    cases = [("tuner.spaces.gpu.decode.cuda_graphs.choices=[hostfn,false]", True, "quote it"),
+             ("tuner.spaces.cpu_only.cpu.gemm_tile_tokens.choices=[16,0]", False, "gemm_tile_tokens"),
+             ("tuner.spaces.cpu_only.cpu.threads.low=0", False, "cpu.threads")]
+    for override, gpu, what in cases:
+        with pytest.raises(ConfigError, match=what) as e:
+            sp.resolve(tune_cfg(override), gpu, cores=4, kernels=["avx2"])
+        assert str(e.value).startswith(f"tuner.spaces.{'gpu' if gpu else 'cpu_only'}.")
 
 
 def test_space_knobs_join_by_path(tune_cfg):
