@@ -41,27 +41,30 @@ def resolve(cfg: TuneConfig, gpu: bool, cores: int, kernels: list[str]) -> dict[
 
 
 def check_values(cfg: TuneConfig, gpu: bool, space: dict[str, dict[str, Any]]) -> None:
-    """Every choice (and an int or float knob's two ends) is a value the policy's schema takes for that knob, on the
-    current policy: a space that would only fail trials is refused before the first one, naming the knob."""
-    from tuner.policy import checked  # the schema's merge and checks, as each trial's policy goes through
+    """Every choice (and an int or float knob's two ends) is a value the policy's schema takes for that knob: its
+    type and its group's own checks (not those across groups, such as batch_cap <= kv.max_batch, which depend on
+    what else a trial samples). A space that would only fail trials is refused before the first one, naming the
+    knob."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
 
     for name, spec in space.items():
+        group, _, knob = name.partition(".")
+        current = getattr(cfg.policy, group, None)
+        if not knob or not dataclasses.is_dataclass(current):
+            continue  # a top-level knob: its type is all the schema knows, and the trial's merge checks it
         values = spec["choices"] if spec["type"] == "categorical" else [spec["low"], spec["high"]]
         for value in values:
             try:
-                checked(cfg.policy, {name: value})
-            except ValueError as e:
+                node = OmegaConf.merge(OmegaConf.structured(type(current)), dataclasses.asdict(current))
+                OmegaConf.update(node, knob, value, merge=False)
+                OmegaConf.to_object(node)  # the group's __post_init__
+            except Exception as e:  # noqa: BLE001 - OmegaConf's validation errors and the schema's ValueErrors
                 hint = (" (YAML reads an unquoted off/on/yes/no as a boolean: quote it)"
-                        if isinstance(value, bool) and not isinstance(_current(cfg, name), bool) else "")
+                        if isinstance(value, bool) and not isinstance(getattr(current, knob, None), bool) else "")
                 raise ConfigError(f"tuner.spaces.{'gpu' if gpu else 'cpu_only'}.{name}: {value!r} is not a value of "
                                   f"policy.{name}{hint}: {str(e).splitlines()[0]}") from None
-
-
-def _current(cfg: TuneConfig, name: str) -> Any:
-    node: Any = cfg.policy
-    for part in name.split("."):
-        node = getattr(node, part, None)
-    return node
 
 
 def reload_knobs(cfg: TuneConfig, gpu: bool, rebuildable: frozenset) -> set[str]:

@@ -55,3 +55,21 @@ def test_crash_and_deadline_fail_the_trial_not_the_sweep(conf, mlflow_runs, tmp_
     plots = {a.path for a in c.list_artifacts(parent, "plots")}
     assert {"plots/optimization_history.png", "plots/pareto_front.png", "plots/objective_vs_knobs.png"} <= plots
     assert "best_policy.yaml" in {a.path for a in c.list_artifacts(parent)}
+
+
+def test_a_policy_the_schema_refuses_fails_its_trial_and_is_logged(conf, mlflow_runs, tmp_path):
+    """kv.max_batch 2 is a valid value, but not beside the policy's batch cap of 6: the trial is refused (by the
+    worker, and again when the tuner logs its policy), the study goes on and ends cleanly."""
+    ensure_tiny(mlflow_runs)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    p = tune(*FAST, "+tuner.spaces.cpu_only.kv.max_batch={type: categorical, choices: [2]}", "tuner.n_trials=1",
+             f"tuner.storage={storage}", "tuner.study_name=refused", "tracking.experiment=test-refused",
+             env=env_for(conf, mlflow_runs, HYBRID_TRACKING="1"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    [t] = load(storage, "refused").get_trials()
+    assert t.state.name == "FAIL" and "exceeds policy.kv.max_batch" in t.user_attrs["detail"], t.user_attrs
+    c = MlflowClient(f"sqlite:///{mlflow_runs / 'mlflow.db'}")
+    [child] = [r for r in c.search_runs([c.get_experiment_by_name("test-refused").experiment_id])
+               if r.data.tags.get("mlflow.parentRunId")]
+    assert child.data.params["policy.kv.max_batch"] == "2" and child.info.status == "FAILED"

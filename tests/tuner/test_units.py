@@ -91,6 +91,10 @@ def test_every_value_of_the_default_spaces_is_a_policy_value(tune_cfg):
         space = sp.resolve(cfg, gpu, cores=4, kernels=["avx512_bf16", "avx2", "generic"])
         assert space, "a space to check"
     assert "off" in sp.resolve(cfg, True, 4, ["avx2"])["decode.cuda_graphs"]["choices"]
+    # a value valid on its own though not beside the current policy's others (max_batch 4 < batch_cap 6): kept, the
+    # trial that samples it with a larger batch cap is the one refused
+    wide = tune_cfg("+tuner.spaces.gpu.kv.max_batch={type: int, low: 4, high: 8, reload: true}")
+    assert sp.resolve(wide, True, 4, ["avx2"])["kv.max_batch"]["low"] == 4
 
 
 def test_a_space_value_the_policy_refuses_fails_before_any_trial(tune_cfg):
