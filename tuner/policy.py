@@ -28,10 +28,10 @@ OVERRIDE = "override /policy@_global_.policy"
 INDENT = "  "
 
 
-def checked(base: PolicyConfig, params: dict[str, Any]) -> PolicyConfig:
-    """base with params (knob path -> value, or nested) applied, through the schema: types (OmegaConf) and the
-    __post_init__ checks."""
-    merged = OmegaConf.merge(OmegaConf.structured(PolicyConfig), asdict(base))
+def checked(base: Any, params: dict[str, Any]) -> Any:
+    """base (the PolicyConfig, or one of its groups) with params (knob path -> value, or nested) applied, through
+    the schema: types (OmegaConf) and the __post_init__ checks."""
+    merged = OmegaConf.merge(OmegaConf.structured(type(base)), asdict(base))
     for path, value in flat_params(params).items():
         OmegaConf.update(merged, path, value, merge=False)
     return OmegaConf.to_object(merged)

@@ -47,7 +47,7 @@ def check_values(cfg: TuneConfig, gpu: bool, space: dict[str, dict[str, Any]]) -
     knob."""
     import dataclasses
 
-    from omegaconf import OmegaConf
+    from tuner.policy import checked  # as each trial's policy goes through the schema, one group at a time
 
     for name, spec in space.items():
         group, _, knob = name.partition(".")
@@ -57,9 +57,7 @@ def check_values(cfg: TuneConfig, gpu: bool, space: dict[str, dict[str, Any]]) -
         values = spec["choices"] if spec["type"] == "categorical" else [spec["low"], spec["high"]]
         for value in values:
             try:
-                node = OmegaConf.merge(OmegaConf.structured(type(current)), dataclasses.asdict(current))
-                OmegaConf.update(node, knob, value, merge=False)
-                OmegaConf.to_object(node)  # the group's __post_init__
+                checked(current, {knob: value})
             except Exception as e:  # noqa: BLE001 - OmegaConf's validation errors and the schema's ValueErrors
                 hint = (" (YAML reads an unquoted off/on/yes/no as a boolean: quote it)"
                         if isinstance(value, bool) and not isinstance(getattr(current, knob, None), bool) else "")
