@@ -81,6 +81,7 @@ class TunerConfig:
     study_name: str = ""
     trial_timeout_s: float = 300.0
     startup_trials: int = 4
+    multivariate: bool = True  # TPE models the knobs jointly (their interactions), not one by one
     seed: Optional[int] = None
     heartbeat_s: int = 10
     grace_s: int = 30

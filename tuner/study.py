@@ -159,7 +159,10 @@ class Tuner:
         if t.sampler == Sampler.grid:
             sampler = optuna.samplers.GridSampler(sp.grid(self.space), seed=t.seed)
         else:
-            sampler = optuna.samplers.TPESampler(n_startup_trials=t.startup_trials, seed=t.seed)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # multivariate is "experimental"
+                sampler = optuna.samplers.TPESampler(n_startup_trials=t.startup_trials, seed=t.seed,
+                                                     multivariate=t.multivariate, group=t.multivariate)
         study = optuna.create_study(study_name=self.name, storage=storage, sampler=sampler,
                                     directions=self.directions, load_if_exists=True)
         if study.directions != [optuna.study.StudyDirection[d.upper()] for d in self.directions]:

@@ -41,6 +41,7 @@ import torch
 from hybrid import _native
 from hybrid.engine.placement import CpuExperts, DeferredCpuExperts, ExpertsWrapper, cpu_experts, swap_experts
 from hybrid.engine.staging import Staging
+from hybrid.engine.streams import decode_stream
 from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
 
@@ -185,7 +186,7 @@ class _Lane:
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.eager: set[tuple[int, int]] = set()  # shapes whose capture failed
         self.pool = torch.cuda.graph_pool_handle()
-        self.stream = torch.cuda.Stream(device) if index else None  # lane 0 replays on the caller's stream
+        self.stream = decode_stream(device) if index else None  # lane 0 replays on the caller's stream
 
     def load(self, tokens_B1: torch.Tensor, pos_B1: torch.Tensor, slots_B: torch.Tensor):
         """The step's inputs copied into this lane's static tensors for its batch size."""

@@ -30,6 +30,7 @@ from hybrid.engine.plan import Plan
 from hybrid.engine.requests import FinishReason, Request, RequestError, RequestOutput, SamplingParams, State
 from hybrid.engine.sampler import Sampler, choose
 from hybrid.engine.scheduler import Chunk, Scheduler
+from hybrid.engine.streams import decode_stream, on
 from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
 from hybrid.prefill.throttle import Throttle
@@ -98,6 +99,8 @@ class Engine:
         self._samplers: dict[int, Sampler] = {}
         self._throttle = Throttle()  # paces a stream-loading prefill beside decode (plan.stream_cap_bytes_s)
         self._beside: Optional[_Beside] = None  # the stream-loading prefill running beside decode, if any
+        # the steps' GPU work, at the device's highest priority: ahead of a prefill streaming beside decode
+        self.stream = decode_stream(self.device)
         self.last_step_s = 0.0
 
     # -- requests ---------------------------------------------------------------------------------------------
@@ -166,6 +169,12 @@ class Engine:
         returns the progress of every request that made some (and of those that ended)."""
         t0 = time.perf_counter()
         changed: dict[int, Request] = {}
+        with on(self.stream):
+            self._step(changed)
+        self.last_step_s = time.perf_counter() - t0
+        return [self._output(r) for r in changed.values()]
+
+    def _step(self, changed: dict[int, Request]) -> None:
         self._take_inbox(changed)
         plan = self.scheduler.plan()
         # a stream-loading prefill beside decode is paced while requests decode, at full speed when none does
@@ -182,8 +191,6 @@ class Engine:
         if live:
             self._decode_step(live, changed)
         self._collect_beside(changed, wait=not live and not plan.prefill)
-        self.last_step_s = time.perf_counter() - t0
-        return [self._output(r) for r in changed.values()]
 
     def _take_inbox(self, changed: dict[int, Request]) -> None:
         with self._lock:

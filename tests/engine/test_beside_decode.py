@@ -255,3 +255,37 @@ def test_gpu_prefill_beside_graphed_decode_keeps_solo_tokens(cap):
     for rid, (prompt, n) in zip(sorted(got), ((p[0], 60), (p[1], 10), (p[2], 20))):
         assert got[rid][1] is FinishReason.length, got[rid][2]
         assert got[rid][0] == engine.generate([prompt], _greedy(n))[0].output_ids, f"request {rid}"
+
+
+def test_the_engine_steps_on_no_stream_off_cuda():
+    from hybrid.engine.streams import decode_stream, on
+
+    assert decode_stream(CPU) is None
+    with on(None):  # a no-op: the CPU has no streams
+        pass
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_steps_run_on_the_highest_priority_stream_ordered_with_the_caller():
+    """Decode's GPU work on a stream of the device's highest priority (ahead of a prefill streaming beside it), the
+    caller's stream ordered before and after the step."""
+    from hybrid.config.compose import compose, to_settings
+    from hybrid.engine.build import build
+
+    s = to_settings(compose(["+hw=h200_xeon16", "policy=default", "policy.adapt_to_hardware=true",
+                             "policy.decode.cuda_graphs=off"]))
+    engine = build(s, s.hw, progress=False)
+    seen = []
+    decode = engine._decode
+
+    def spy(*args, **kwargs):
+        seen.append(torch.cuda.current_stream())
+        return decode(*args, **kwargs)
+
+    engine._decode = spy
+    caller = torch.cuda.current_stream()
+    out = engine.generate([[5, 6, 7, 8]], _greedy(3))[0]
+    assert not out.error and len(out.output_ids) == 3
+    assert seen and all(st == engine.stream for st in seen)
+    assert engine.stream.priority < caller.priority == 0  # lower numbers run first
+    assert torch.cuda.current_stream() == caller  # the step left the caller's stream current

@@ -136,3 +136,43 @@ def test_the_lm_head_knob_is_in_the_plan():
     engine = build(s, s.hw, progress=False)
     assert engine.plan.cpu_lm_head == "fp8" and "lm_head fp8" in engine.plan.describe()
     assert engine.model.lm_head.weight.dtype == fp8.FP8
+
+
+def _engine_decode(engine, prompt: list[int], tokens: Optional[list[int]] = None):
+    """_decode through a built engine's placed model (inputs on its device), in KV slot 0."""
+    model, dev = engine.model, engine.device
+    slot = torch.tensor([0], device=dev)
+    logits = [model(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev)[None], engine.cache,
+                    slot, last_only=True, kv_len=len(prompt))[0, -1].float().cpu()]
+    for i in range(STEPS - 1):
+        token = tokens[i] if tokens else int(logits[-1].argmax())
+        pos = len(prompt) + i
+        logits.append(model(torch.tensor([[token]], device=dev), torch.tensor([[pos]], device=dev), engine.cache,
+                            slot, kv_len=pos + 1)[0, -1].float().cpu())
+    return [int(x.argmax()) for x in logits], logits
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gpu_and_cpu_deployments_agree_on_greedy_tokens(seed):
+    """The CPU-only deployment (+hw=cpu_only: every FP8 linear on the native kernels) against the GPU deployment
+    (attention and dense layers on the GPU's FP8 GEMM), both BF16 as served, on the all-dense tiny model: the CPU's
+    greedy tokens (through its engine) equal the GPU's before the GPU's first near-tie, and teacher-forced along the
+    GPU's tokens the CPU's arg-max agrees at every decisive step."""
+    dense = ["model.synthetic.first_k_dense_replace=3", "model.dtype=bfloat16"]
+    cpu_s = to_settings(compose(["+hw=cpu_only", *dense]))
+    gpu_s = to_settings(compose(["+hw=h200_xeon16", "policy=default", "policy.adapt_to_hardware=true",
+                                 "policy.decode.cuda_graphs=off", *dense]))
+    cpu, gpu = build(cpu_s, cpu_s.hw, progress=False), build(gpu_s, gpu_s.hw, progress=False)
+    assert cpu.device.type == "cpu" and gpu.device.type == "cuda"
+    prompt = torch.randint(2, 320, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+    want, want_logits = _engine_decode(gpu, prompt)
+    margins = [float(x.topk(2)[0].diff().abs()) for x in want_logits]
+    got = cpu.generate([prompt], SamplingParams(STEPS, ignore_eos=True))[0].output_ids
+    first_tie = next((i for i, m in enumerate(margins) if m < TIE), STEPS)
+    assert got[:first_tie] == want[:first_tie], f"diverged before the GPU's first near-tie (step {first_tie})"
+    decisive = [i for i, m in enumerate(margins) if m >= TIE]
+    assert len(decisive) >= STEPS // 2, f"only {len(decisive)} decisive steps of {STEPS}"
+    _, logits = _engine_decode(cpu, prompt, want)
+    wrong = [i for i in decisive if int(logits[i].argmax()) != want[i]]
+    assert not wrong, f"teacher-forced arg-max differs at decisive steps {wrong}"
