@@ -219,7 +219,7 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
     cache = cache or model.new_cache(p.kv.max_batch, p.kv.max_context, device)
 
     long_prefill, group, chunk = None, 1, 0
-    if placed.loader is not None:
+    if placed.loader is not None and cpu_experts(model):  # an all-dense model has no experts to stream
         group = group_size(p.prefill.slp_group_experts, device, model.dtype)
         slot = slot_bytes(model)
         ledger = Ledger(budget, placed.weight_bytes, kv, hot_bytes, group_bytes(a, group))
