@@ -57,28 +57,29 @@ inline void store_rows(const GemmProblem& p, int64_t g, int64_t rows, const floa
   }
 }
 
-// Rows [n0, n1) of Y: 32 weight rows at a time, their K in slabs of kAmxSlab lanes converted once and used by every
+// Rows [n0, n1) of Y: 32 weight rows at a time, their K in slabs of up to kAmxSlab lanes converted once and used by every
 // token; per 128-lane block, the C tiles are scaled by the block's scale and added to acc (per 32 tokens, 4 tiles).
 // acc: round_up(M, 32) * 32 + 1024 floats.
 template <class Ops>
 void amx_rows(const GemmProblem& p, const uint16_t* xv, int64_t n0, int64_t n1, uint16_t* buf, float* acc) {
   const int64_t kp = padded_k(p.K), groups = (p.M + 31) / 32;
+  const int64_t slab = std::min(kp, kAmxSlab), ld = amx_buf_ld(slab);
   float* c = acc + groups * 1024;
   for (int64_t g = n0; g < n1; g += kAmxRows) {
     const int64_t rows = std::min(kAmxRows, n1 - g);
     const int rt = rows > kAmxTokens ? 2 : 1;
-    if (rows < rt * kAmxTokens) std::memset(buf + rows * kAmxSlab, 0, (rt * kAmxTokens - rows) * kAmxSlab * 2);
+    if (rows < rt * kAmxTokens) std::memset(buf + rows * ld, 0, (rt * kAmxTokens - rows) * ld * 2);
     const float* srow[2] = {p.scale + (g / kBlock) * p.lds, p.scale + ((g + (rt - 1) * kAmxTokens) / kBlock) * p.lds};
     std::fill(acc, acc + groups * 1024, 0.f);
-    for (int64_t s0 = 0; s0 < kp; s0 += kAmxSlab) {
-      const int64_t s1 = std::min(kp, s0 + kAmxSlab);
-      Ops::convert(p, g, rows, s0 / kChunk, s1 / kChunk, buf, kAmxSlab);
+    for (int64_t s0 = 0; s0 < kp; s0 += slab) {
+      const int64_t s1 = std::min(kp, s0 + slab);
+      Ops::convert(p, g, rows, s0 / kChunk, s1 / kChunk, buf, ld);
       for (int64_t m0 = 0; m0 < p.M; m0 += 32) {
         const int tt = p.M - m0 > kAmxTokens ? 2 : 1;
         float* a = acc + (m0 / 32) * 1024;
         for (int64_t l0 = s0; l0 < s1; l0 += kBlock) {
           const int64_t chunks = (std::min(s1, l0 + kBlock) - l0) / kAmxLanes;
-          dot_tiles<Ops>(rt, tt, buf + (l0 - s0), kAmxSlab, xv + m0 * kp + l0 * kAmxTokens, kAmxTokens * kp, chunks,
+          dot_tiles<Ops>(rt, tt, buf + (l0 - s0), ld, xv + m0 * kp + l0 * kAmxTokens, kAmxTokens * kp, chunks,
                          c);
           for (int r = 0; r < rt; ++r) {
             const float s = srow[r][l0 / kBlock];
