@@ -1,0 +1,74 @@
+"""One MoE layer of DeepSeek-V3's shape on the CPU kernels, quickly: `python -m hybrid.bench.moe_quick`.
+
+bench=kernels generates every expert of the layer (11 GB for 256 experts: minutes on a few cores); this draws
+`--distinct` experts' FP8 weights (48: 2.1 GB, several times any L3) and lets the layer's 256 experts use them in
+turn, so every expert's bytes still come from DRAM. Each expert gets exactly `--tokens-per-expert` tokens (16: the
+T = 512 case of top-8 over 256 experts). Prints time, GB/s of expert bytes against the read roof measured in the
+same run, and TFLOP/s, per kernel variant."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from hybrid.kernels import membw
+from hybrid.kernels.dispatch import available
+from hybrid.kernels.moe import CpuMoE
+from hybrid.kernels.thread_pool import set_threads, threads
+
+
+def fp8_weight(n: int, k: int) -> torch.Tensor:
+    """Random E4M3 codes without the NaN codes (0x7F, 0xFF)."""
+    codes = torch.randint(0, 0x7E, (n, k), dtype=torch.uint8) | (torch.randint(0, 2, (n, k), dtype=torch.uint8) << 7)
+    return codes.view(torch.float8_e4m3fn)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernels", default="amx,avx512_bf16", help="variants, comma-separated (those this CPU lacks "
+                    "are skipped)")
+    ap.add_argument("--threads", type=int, default=0, help="0: every CPU this process may run on")
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--distinct", type=int, default=48)
+    ap.add_argument("--tokens-per-expert", type=int, default=16)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--roof-gb", type=float, default=4.0, help="buffer of the read-roof probe (GB)")
+    a = ap.parse_args(argv)
+    E, tpe, K, D, I = a.experts, a.tokens_per_expert, a.top_k, 7168, 2048
+    if (E * tpe) % K:
+        ap.error("experts x tokens-per-expert must be a multiple of top-k")
+    set_threads(a.threads)
+    torch.manual_seed(0)
+    scale = lambda n, k: torch.rand((n + 127) // 128, (k + 127) // 128) * 1e-2 + 1e-3  # noqa: E731
+    n = min(a.distinct, E)
+    w = [[fp8_weight(I, D) for _ in range(n)], [fp8_weight(I, D) for _ in range(n)], [fp8_weight(D, I) for _ in range(n)]]
+    s = [[scale(I, D) for _ in range(n)], [scale(I, D) for _ in range(n)], [scale(D, I) for _ in range(n)]]
+    turn = lambda xs: [xs[e % n] for e in range(E)]  # noqa: E731
+    T = E * tpe // K
+    ids = torch.arange(E).repeat(tpe)[torch.randperm(E * tpe)].view(T, K)
+    x, weights = torch.randn(T, D).to(torch.bfloat16), torch.rand(T, K)
+    roof = max(membw.read_roof(a.roof_gb, 3, streams) for streams in (8, 16))
+    gb, flop = E * 3 * I * D / 1e9, 2 * 3 * I * D * E * tpe
+    print(f"{threads()} threads, read roof {roof:.1f} GB/s; one layer: {E} experts ({n} distinct), T = {T}, "
+          f"{tpe} tokens per expert, {gb:.1f} GB of experts")
+    have = set(available())
+    for kernel in a.kernels.split(","):
+        if kernel not in have:
+            print(f"{kernel}: not on this CPU, skipped")
+            continue
+        op = CpuMoE(turn(w[0]), turn(w[1]), turn(w[2]), turn(s[0]), turn(s[1]), turn(s[2]), kernel=kernel)
+        op(x, ids, weights)  # warm-up
+        ts = []
+        for _ in range(a.repeats):
+            t0 = time.perf_counter()
+            op(x, ids, weights)
+            ts.append(time.perf_counter() - t0)
+        best, med = min(ts), sorted(ts)[len(ts) // 2]
+        print(f"{kernel:12s} best {best * 1e3:7.1f} ms  median {med * 1e3:7.1f} ms  {gb / best:6.1f} GB/s "
+              f"({gb / best / roof:4.0%} of the roof)  {flop / best / 1e12:5.2f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+from hybrid.bench import moe_quick
+
+
+def test_the_quick_moe_bench_times_each_variant_against_the_roof(capsys):
+    moe_quick.main(["--experts", "8", "--distinct", "2", "--tokens-per-expert", "2", "--top-k", "4", "--threads", "2",
+                    "--kernels", "generic,nonesuch", "--repeats", "1", "--roof-gb", "0.1"])
+    out = capsys.readouterr().out
+    assert "read roof" in out and "8 experts (2 distinct), T = 4, 2 tokens per expert" in out
+    line = next(x for x in out.splitlines() if x.startswith("generic"))
+    assert "GB/s" in line and "of the roof" in line and "TFLOP/s" in line
+    assert "nonesuch: not on this CPU, skipped" in out
