@@ -57,8 +57,8 @@ inline void store_rows(const GemmProblem& p, int64_t g, int64_t rows, const floa
   }
 }
 
-// Rows [n0, n1) of Y: 32 weight rows at a time, their K in slabs of up to kAmxSlab lanes converted once and used by every
-// token; per 128-lane block, the C tiles are scaled by the block's scale and added to acc (per 32 tokens, 4 tiles).
+// Rows [n0, n1) of Y: 32 weight rows at a time, their K in slabs of up to kAmxSlab lanes converted once and used by
+// every token; per 128-lane block, the C tiles are scaled by the block's scale and added to acc (per 32 tokens, 4 tiles).
 // acc: round_up(M, 32) * 32 + 1024 floats.
 template <class Ops>
 void amx_rows(const GemmProblem& p, const uint16_t* xv, int64_t n0, int64_t n1, uint16_t* buf, float* acc) {
