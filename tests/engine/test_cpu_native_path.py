@@ -105,14 +105,21 @@ def test_bf16_tokens_through_the_native_path_match_the_torch_path(dense_dir, see
     torch_path, native = _model(dense_dir, torch.bfloat16, placed=False), _model(dense_dir, torch.bfloat16, "auto")
     assert {type(x.gemm) for x in torch_path.modules() if isinstance(x, Linear)} == {type(DEFAULT_GEMM)}
     prompt = torch.randint(2, 320, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
-    want, want_logits = _decode(torch_path, prompt)
+    _assert_same_decisive_tokens(_decode(torch_path, prompt), _greedy(native, prompt),  # through the engine
+                                 lambda tokens: _decode(native, prompt, tokens)[1])
+
+
+def _assert_same_decisive_tokens(reference, got: list[int], forced) -> None:
+    """`reference` = (greedy tokens, logits per step); `got`: the other path's greedy tokens; forced(tokens): the
+    other path's logits per step teacher-forced along `tokens`. The greedy tokens agree before the reference's first
+    near-tie (top-2 gap < TIE), and teacher-forced the arg-max agrees at every decisive step."""
+    want, want_logits = reference
     margins = [float(x.topk(2)[0].diff().abs()) for x in want_logits]
-    got = _greedy(native, prompt)  # through the engine
     first_tie = next((i for i, m in enumerate(margins) if m < TIE), STEPS)
     assert got[:first_tie] == want[:first_tie], f"diverged before the first near-tie (step {first_tie})"
     decisive = [i for i, m in enumerate(margins) if m >= TIE]
     assert len(decisive) >= STEPS // 2, f"only {len(decisive)} decisive steps of {STEPS}"
-    _, logits = _decode(native, prompt, want)
+    logits = forced(want)
     wrong = [i for i in decisive if int(logits[i].argmax()) != want[i]]
     assert not wrong, f"teacher-forced arg-max differs at decisive steps {wrong}"
 
@@ -166,13 +173,6 @@ def test_gpu_and_cpu_deployments_agree_on_greedy_tokens(seed):
     cpu, gpu = build(cpu_s, cpu_s.hw, progress=False), build(gpu_s, gpu_s.hw, progress=False)
     assert cpu.device.type == "cpu" and gpu.device.type == "cuda"
     prompt = torch.randint(2, 320, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
-    want, want_logits = _engine_decode(gpu, prompt)
-    margins = [float(x.topk(2)[0].diff().abs()) for x in want_logits]
     got = cpu.generate([prompt], SamplingParams(STEPS, ignore_eos=True))[0].output_ids
-    first_tie = next((i for i, m in enumerate(margins) if m < TIE), STEPS)
-    assert got[:first_tie] == want[:first_tie], f"diverged before the GPU's first near-tie (step {first_tie})"
-    decisive = [i for i, m in enumerate(margins) if m >= TIE]
-    assert len(decisive) >= STEPS // 2, f"only {len(decisive)} decisive steps of {STEPS}"
-    _, logits = _engine_decode(cpu, prompt, want)
-    wrong = [i for i in decisive if int(logits[i].argmax()) != want[i]]
-    assert not wrong, f"teacher-forced arg-max differs at decisive steps {wrong}"
+    _assert_same_decisive_tokens(_engine_decode(gpu, prompt), got,
+                                 lambda tokens: _engine_decode(cpu, prompt, tokens)[1])
