@@ -204,8 +204,7 @@ void rows_tokens_outer(const GemmProblem& p, const uint16_t* xp, int64_t n0, int
 
 void HYBRID_AVX512_FN(convert_rows)(const GemmProblem& p, int64_t n, int64_t count, int64_t c0, int64_t c1,
                                     int64_t prefetch, uint16_t* buf, int64_t ld) {
-  const Tables t = tables();  // a local copy: the stores below cannot alias it, so it stays in registers
-  const Fp8Rows L{static_cast<const uint8_t*>(p.w) + n * p.ldw, p.ldw, p.K, &t, prefetch};
+  const Fp8Rows L{static_cast<const uint8_t*>(p.w) + n * p.ldw, p.ldw, p.K, &tables(), prefetch};
   for (int r = 0; r < count; ++r)
     for (int64_t c = c0; c < c1; ++c) {
       __m512i a, b;
