@@ -14,6 +14,7 @@ import torch
 
 from hybrid.kernels import membw
 from hybrid.kernels.dispatch import available
+from hybrid.kernels.gemm import set_amx_min_tokens
 from hybrid.kernels.moe import CpuMoE
 from hybrid.kernels.thread_pool import set_threads, threads
 
@@ -34,12 +35,16 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens-per-expert", type=int, default=16)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--amx-min-tokens", type=int, default=None, help="tokens per expert from which the amx variant "
+                    "runs AMX tiles (default: policy.cpu.amx_min_tokens's default)")
     ap.add_argument("--roof-gb", type=float, default=4.0, help="buffer of the read-roof probe (GB)")
     a = ap.parse_args(argv)
     E, tpe, K, D, I = a.experts, a.tokens_per_expert, a.top_k, 7168, 2048
     if (E * tpe) % K:
         ap.error("experts x tokens-per-expert must be a multiple of top-k")
     set_threads(a.threads)
+    if a.amx_min_tokens is not None:
+        set_amx_min_tokens(a.amx_min_tokens)
     torch.manual_seed(0)
     scale = lambda n, k: torch.rand((n + 127) // 128, (k + 127) // 128) * 1e-2 + 1e-3  # noqa: E731
     n = min(a.distinct, E)
