@@ -357,8 +357,10 @@ class Tuner:
                 cross = self.worker.call(self.key(warm), {"op": "crossover", "policy": warm, "lengths": lengths},
                                          t.trial_timeout_s, self.log_dir / "crossover.log")
             except RuntimeError as e:
+                from hybrid.engine.build import slp_cutoff
+
                 print(f"warning: cutoff not measured ({e}): policy.{CUTOFF} stays "
-                      f"{self.cfg.policy.prefill.slp_cutoff_tokens}", file=sys.stderr, flush=True)
+                      f"{slp_cutoff(self.cfg.policy, self.cfg.hw)}", file=sys.stderr, flush=True)
                 return
             cross = {**cross, "lengths": lengths, "policy": warm, "seconds": round(time.monotonic() - t0, 2)}
             if "crossover" not in fresh_user_attrs(study):

@@ -62,6 +62,13 @@ class HwConfig:
     description: str = ""
     cpu: CpuSpec = field(default_factory=CpuSpec)
     gpus: List[GpuSpec] = field(default_factory=list)
+    # Prompt length (tokens) where `bench=prefill` measured the CPU path and stream-loading equally fast on this
+    # machine (DeepSeek-V3's expert shape); policy.prefill.slp_cutoff_tokens' default. null: not measured (128).
+    slp_crossover_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.slp_crossover_tokens is not None and self.slp_crossover_tokens < 0:
+            raise ValueError(f"hw.slp_crossover_tokens must be >= 0 or null, got {self.slp_crossover_tokens}")
 
 
 @dataclass
@@ -137,7 +144,7 @@ class KvPolicy:
 class PrefillPolicy:
     """Prefill: chunked on the engine's step, or stream-loaded on the GPU (hybrid/prefill/)."""
     chunk_tokens: int = 512  # prompts on the chunked path go in this many tokens per engine step
-    slp_cutoff_tokens: int = 128  # prompts longer than this are prefilled on the GPU by stream-loading
+    slp_cutoff_tokens: Optional[int] = None  # longer prompts are stream-loaded; null: hw.slp_crossover_tokens or 128
     ring_len: Optional[int] = None  # expert slots of the stream-loading ring buffer; null = as memory allows
     slp_chunk_tokens: Optional[int] = None  # stream-loading prefill in chunks of this many tokens; null: as memory fits
     slp_group_experts: Optional[int] = None  # SLP: up to this many experts computed together; null: 16 where it applies
@@ -148,7 +155,7 @@ class PrefillPolicy:
 
     def __post_init__(self) -> None:
         _at_least(self, "prefill", 1, "chunk_tokens")
-        _at_least(self, "prefill", 0, "slp_cutoff_tokens")
+        _at_least(self, "prefill", 0, "slp_cutoff_tokens", optional=True)
         _at_least(self, "prefill", 1, "ring_len", "slp_chunk_tokens", "slp_group_experts", optional=True)
         if self.gpus not in (None, 1, 2):
             raise ValueError(f"policy.prefill.gpus must be 1, 2 or null, got {self.gpus}")

@@ -50,6 +50,16 @@ def cpu_threads(p: PolicyConfig, hw: HwConfig) -> int:
     return detect().physical_cores
 
 
+DEFAULT_SLP_CUTOFF = 128  # tokens, where neither the policy nor the profile says
+
+
+def slp_cutoff(p: PolicyConfig, hw: HwConfig) -> int:
+    """policy.prefill.slp_cutoff_tokens, else the crossover measured for the profile, else DEFAULT_SLP_CUTOFF."""
+    if p.prefill.slp_cutoff_tokens is not None:
+        return p.prefill.slp_cutoff_tokens
+    return hw.slp_crossover_tokens if hw.slp_crossover_tokens is not None else DEFAULT_SLP_CUTOFF
+
+
 def configure_cpu(threads: int, tile_tokens: int, amx_tokens: int) -> None:
     """The native kernels' process-wide settings (one thread pool per process) and torch's intra-op threads, from
     the plan, once per engine. One count for both: without a GPU they take turns within a step (placement runs the
@@ -241,7 +251,7 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
                 moe_backend=p.cpu.moe_backend, cpu_lm_head=cpu_lm_head(p, device, placed.native),
                 deferred_experts=p.cpu.deferred_experts, max_batch=p.kv.max_batch, max_context=p.kv.max_context,
                 batch_cap=p.decode.batch_cap, prefill_chunk_tokens=p.prefill.chunk_tokens,
-                slp_cutoff_tokens=p.prefill.slp_cutoff_tokens, slp_chunk_tokens=chunk,
+                slp_cutoff_tokens=slp_cutoff(p, hw), slp_chunk_tokens=chunk,
                 ring_len=p.prefill.ring_len, slp_group_experts=group,
                 prefill_gpus=placed.prefill_gpus, prefill_ep=p.prefill.ep,
                 prefill_beside_decode=p.prefill.beside_decode,

@@ -81,6 +81,21 @@ def test_policy_null_is_auto():
     assert _settings(["+hw=cpu_only", "policy.cpu.threads=null"]).policy.cpu.threads is None
 
 
+def test_slp_cutoff_defaults_to_the_profiles_crossover():
+    """policy.prefill.slp_cutoff_tokens null: the crossover measured for the hw profile, else 128; a value wins."""
+    from hybrid.engine.build import DEFAULT_SLP_CUTOFF, slp_cutoff
+
+    s = _settings(["+hw=h200_xeon16"])
+    assert s.policy.prefill.slp_cutoff_tokens is None and s.hw.slp_crossover_tokens == 338
+    assert slp_cutoff(s.policy, s.hw) == 338
+    s = _settings(["+hw=h200_xeon16", "policy.prefill.slp_cutoff_tokens=64"])
+    assert slp_cutoff(s.policy, s.hw) == 64
+    s = _settings(["+hw=epyc2x_5090x2"])
+    assert s.hw.slp_crossover_tokens is None and slp_cutoff(s.policy, s.hw) == DEFAULT_SLP_CUTOFF == 128
+    with pytest.raises(ValueError, match="hw.slp_crossover_tokens must be >= 0"):
+        _settings(["+hw=h200_xeon16", "hw.slp_crossover_tokens=-1"])
+
+
 @pytest.mark.parametrize("name", _options("model"))
 def test_model_yaml_names_itself(name):
     assert _yaml("model", name).get("name") == name, f"conf/model/{name}.yaml: `name` is not {name!r}"
