@@ -48,10 +48,21 @@ PATCH = textwrap.dedent("""
 """)
 
 
+# The interpreter's own error when NumPy (>= 2.5) refuses int() of a 1-element array (seen with Triton 3.6)
+INDEX_BUG = "only 0-dimensional arrays can be converted to Python scalars"
+
+
 def run(code: str, *args: str, timeout: int = 600) -> None:
     """Runs `code` under the interpreter; fails the test with its output unless it exits 0 having printed ok."""
     pytest.importorskip("triton", reason="needs Triton (its interpreter runs the kernels on the CPU)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     p = subprocess.run([sys.executable, "-c", PATCH + textwrap.dedent(code), *args], capture_output=True, text=True,
                        env=env, cwd=ROOT, timeout=timeout)
+    if p.returncode != 0 and INDEX_BUG in p.stderr:
+        import numpy
+        import triton
+
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot take a runtime loop bound under NumPy "
+                    f"{numpy.__version__} (its tensors' __index__ calls int() on a 1-element array; later Triton "
+                    "squeezes it first)")
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout + p.stderr
