@@ -135,6 +135,18 @@ def _stream_gbs(engine, h2d: float, prompt_tokens: int) -> float:
     return min(h2d, p.stream_cap_bytes_s / 1e9) if p.stream_cap_bytes_s else h2d
 
 
+def check(b, scenarios: list[Scenario], batch_cap: int, max_batch: int, max_context: int) -> None:
+    """The scenarios fit the engine's slots and context (checked before the model is built, and again on the
+    engine's plan)."""
+    need = max(sc.decodes + sc.prompts for sc in scenarios)
+    if need > min(batch_cap, max_batch):
+        raise ConfigError(f"bench.scenarios need {need} requests running at once: raise policy.decode.batch_cap "
+                          f"(now {batch_cap}) and policy.kv.max_batch (now {max_batch})")
+    if any(sc.prompts for sc in scenarios) and b.long_prompt_tokens + 1 > max_context:
+        raise ConfigError(f"bench.long_prompt_tokens ({b.long_prompt_tokens}) needs policy.kv.max_context > it "
+                          f"(now {max_context})")
+
+
 def measure(engine, s) -> Records:
     from hybrid.bench.slo import bytes_per_decode_step, synthetic_prompts
 
@@ -142,13 +154,7 @@ def measure(engine, s) -> Records:
     scenarios = [parse_scenario(n) for n in b.scenarios]
     streams = engine.device.type == "cuda" and engine.parts.get("loader") is not None
     most = max((sc.decodes for sc in scenarios), default=0)
-    need = max(sc.decodes + sc.prompts for sc in scenarios)
-    if need > min(engine.plan.batch_cap, engine.plan.max_batch):
-        raise ConfigError(f"bench.scenarios need {need} requests running at once: raise policy.decode.batch_cap "
-                          f"(now {engine.plan.batch_cap}) and policy.kv.max_batch (now {engine.plan.max_batch})")
-    if b.long_prompt_tokens + 1 > engine.plan.max_context:
-        raise ConfigError(f"bench.long_prompt_tokens ({b.long_prompt_tokens}) needs policy.kv.max_context > it "
-                          f"(now {engine.plan.max_context})")
+    check(b, scenarios, engine.plan.batch_cap, engine.plan.max_batch, engine.plan.max_context)
     streamed = streams and engine.plan.slp_cutoff_tokens < b.long_prompt_tokens
     if b.stream_caps and not streamed:
         print("bench=concurrency: the long prompt is not stream-loaded here (that needs a GPU and a prompt over "
@@ -289,8 +295,9 @@ def _say(sc: Scenario, r: dict) -> None:
 def run(s) -> Records:
     from hybrid.engine.build import build
 
-    for name in s.bench.scenarios:
-        parse_scenario(name)
+    p = s.policy
+    check(s.bench, [parse_scenario(name) for name in s.bench.scenarios], p.decode.batch_cap, p.kv.max_batch,
+          p.kv.max_context)
     return measure(build(s, s.hw, progress=False), s)
 
 

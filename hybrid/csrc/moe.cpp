@@ -146,7 +146,7 @@ void MoELayer::submit(const View& x, const View& ids, const View& weights, const
   plan(x, ids, weights, out);
   schedule(isa, pool().async_size());
   pending_ = true;
-  pool().submit([this](int worker) { run_job(worker); });
+  ticket_ = pool().submit([this](int worker) { run_job(worker); });
 }
 
 void MoELayer::forward(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa) {
@@ -209,7 +209,7 @@ void MoELayer::schedule(const std::string& isa, int participants) {
 
 void MoELayer::wait() {
   if (!pending_) return;
-  pool().wait();
+  pool().wait(ticket_);  // this layer's job only: another layer object's may be queued or running after it
   ++p_->syncs;  // the end of the job
   pending_ = false;
 }

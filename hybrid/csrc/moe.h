@@ -31,6 +31,8 @@ class MoELayer {
   // x [T, D] bf16; ids [T, K] int64 or int32 (kSkip = -1: that slot is computed elsewhere and adds nothing here);
   // weights [T, K] f32; out [T, D] f32 or bf16 (overwritten).
   // submit() returns at once (the pool's workers run the layer; the caller's core stays free), wait() joins.
+  // One call at a time per object; two objects over the same weights (two decode lanes) may each have one
+  // pending: the pool runs them one after the other, each wait() joining its own.
   void submit(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa);
   void wait();
   // The same, synchronously, with the calling thread working too.
@@ -68,6 +70,7 @@ class MoELayer {
   int64_t D_, I_;
   std::unique_ptr<Plan> p_;
   bool pending_ = false;
+  uint64_t ticket_ = 0;  // the pool's ticket of the submitted call
 };
 
 }  // namespace hybrid

@@ -61,33 +61,52 @@ ThreadPool::~ThreadPool() {
   for (auto& t : workers_) t.join();
 }
 
-void ThreadPool::post(std::function<void(int)> fn, int first_index) {
+uint64_t ThreadPool::post(std::function<void(int)> fn, int first_index) {
+  std::lock_guard<std::mutex> posting(post_mu_);  // one poster at a time, each after the job before it
   wait();
+  uint64_t ticket;
   {
     std::lock_guard<std::mutex> lock(mu_);
     job_ = std::move(fn);
     first_index_ = first_index;
     pending_.store(int(workers_.size()), std::memory_order_relaxed);
-    generation_.fetch_add(1, std::memory_order_release);
+    ticket = generation_.fetch_add(1, std::memory_order_release) + 1;
   }
   wake_.notify_all();
+  return ticket;
 }
 
 void ThreadPool::run(const std::function<void(int)>& fn) {
-  if (!workers_.empty()) post(fn, 1);
+  if (workers_.empty()) return fn(0);
+  const uint64_t ticket = post(fn, 1);
   fn(0);
-  wait();
+  wait(ticket);
 }
 
-void ThreadPool::submit(std::function<void(int)> fn) {
-  if (workers_.empty()) return fn(0);
-  post(std::move(fn), 0);
+uint64_t ThreadPool::submit(std::function<void(int)> fn) {
+  if (workers_.empty()) {
+    fn(0);
+    return generation_.load(std::memory_order_acquire);  // done already: wait(ticket) returns at once
+  }
+  return post(std::move(fn), 0);
 }
 
 void ThreadPool::wait() {
   if (spin_until([this] { return pending_.load(std::memory_order_acquire) == 0; })) return;
   std::unique_lock<std::mutex> lock(mu_);
   done_.wait(lock, [this] { return pending_.load(std::memory_order_acquire) == 0; });
+}
+
+// Job `ticket` is done once its workers are (pending_ 0 while it is the latest) or a later job was posted (a post
+// waits for the job before it).
+bool ThreadPool::done(uint64_t ticket) const {
+  return generation_.load(std::memory_order_acquire) != ticket || pending_.load(std::memory_order_acquire) == 0;
+}
+
+void ThreadPool::wait(uint64_t ticket) {
+  if (spin_until([&] { return done(ticket); })) return;
+  std::unique_lock<std::mutex> lock(mu_);
+  done_.wait(lock, [&] { return done(ticket); });
 }
 
 void ThreadPool::loop(int index) {

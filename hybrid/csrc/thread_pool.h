@@ -3,6 +3,9 @@
 // alone run fn(i) for i in [0, async_size()) while the caller goes on with its own work until wait(); with no
 // workers it runs fn(0) at once. Workers spin briefly between jobs (decode issues one job per layer, so wake-up
 // latency matters), then sleep.
+// One job runs at a time. submit() and run() may be called from several threads (two decode lanes' host
+// functions): a call waits for the job before it, then posts its own. submit() returns the job's ticket;
+// wait(ticket) joins that job only (a later one may already be running), wait() whichever is running.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -24,11 +27,13 @@ class ThreadPool {
   int size() const { return int(workers_.size()) + 1; }
   int async_size() const { return workers_.empty() ? 1 : int(workers_.size()); }
   void run(const std::function<void(int)>& fn);
-  void submit(std::function<void(int)> fn);
+  uint64_t submit(std::function<void(int)> fn);
   void wait();
+  void wait(uint64_t ticket);
 
  private:
-  void post(std::function<void(int)> fn, int first_index);
+  uint64_t post(std::function<void(int)> fn, int first_index);
+  bool done(uint64_t ticket) const;
   void loop(int index);
 
   std::vector<std::thread> workers_;
@@ -37,7 +42,7 @@ class ThreadPool {
   std::atomic<uint64_t> generation_{0};
   std::atomic<int> pending_{0};
   std::atomic<bool> stop_{false};
-  std::mutex mu_;
+  std::mutex mu_, post_mu_;
   std::condition_variable wake_, done_;
 };
 

@@ -20,10 +20,14 @@ hand-off) and share one memory pool; they are replayed one at a time on one stre
 eagerly (with a warning), and so does every later step of that shape.
 
 Dual-batch decode (`policy.decode.dual_batch`, `GraphedDecode.dual`): a step's requests as two micro-batches, each
-with graphs of its own (a lane: segments whatever the mode, its own memory pool, staging buffers and stream).
-`interleave` enqueues one micro-batch's GPU segment, then the other's, and runs the CPU experts of each in turn
-from Python, so the GPU computes one micro-batch's attention and shared experts while the CPU computes the other's
-routed experts. One CPU op runs at a time: a layer's native MoE op serves both micro-batches in turn.
+with graphs of its own (a lane: the mode's graphs, its own memory pool, staging buffers and stream, and for the
+second lane a twin of each layer's native op, so both lanes' calls of a layer can be pending at once), so the GPU
+computes one micro-batch's attention and shared experts while the CPU computes the other's routed experts:
+- `hostfn`: each lane's step is one graph, replayed on its own stream; the two streams' host nodes hand the CPU
+  experts to the thread pool, which runs one call at a time in the order they come (a submit waits for the call
+  before it; each wait joins its own call). No Python runs between the lanes.
+- `segments`: `interleave` enqueues one micro-batch's GPU segment, then the other's, and runs the CPU experts of
+  each in turn from Python.
 
 Legend: B batch (sequences), V vocabulary.
 """
@@ -145,17 +149,17 @@ class CapturedExperts(ExpertsWrapper):
     fixed staging buffers without synchronising, and the hand-off is the capture's (`handoff_start` /
     `handoff_end`: host nodes, or a cut between graphs)."""
 
-    def __init__(self, layer: CpuExperts, capture):
+    def __init__(self, layer: CpuExperts, capture, op=None):
         if isinstance(layer, DeferredCpuExperts):
             raise ValueError("CUDA graphs need policy.cpu.deferred_experts=0")
         super().__init__(layer)
-        self.capture = capture
+        self.capture, self.op = capture, op if op is not None else layer.op
 
     def start(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> "_Captured":
         layer = self.layer
         s = layer.stage(x_TD, weights_TK, ids_TK, sync=False)
         out_h = layer.staging.out(s.x_h.shape[0], fixed=True)
-        handoff = self.capture.handoff_start(layer.op, s.x_h, s.ids_h, s.w_h, out_h)
+        handoff = self.capture.handoff_start(self.op, s.x_h, s.ids_h, s.w_h, out_h)
         return _Captured(self, handoff, out_h, s.x_TD, layer.resident(s))
 
 
@@ -178,7 +182,7 @@ class _Graph:
 class _Lane:
     """Graphs captured for one stream of decode steps: their capture mode, their memory pool, the static inputs by
     batch size, the staging lane their hand-offs copy through. Lane 0 serves single-batch steps; dual-batch decode
-    replays lanes 1 and 2 at once, so they share neither a pool nor staging buffers with each other."""
+    replays lanes 1 and 2 at once, so they share neither a pool nor staging buffers nor native ops with each other."""
 
     def __init__(self, index: int, mode: str, device: torch.device):
         self.index, self.mode, self.device = index, mode, device
@@ -187,6 +191,16 @@ class _Lane:
         self.eager: set[tuple[int, int]] = set()  # shapes whose capture failed
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = decode_stream(device) if index else None  # lane 0 replays on the caller's stream
+        self.twins: dict[int, tuple] = {}  # id(layer's op) -> (that op, its twin): lane 2's native ops
+
+    def op(self, layer: CpuExperts):
+        """The native op this lane's hand-offs call: the layer's own, or on lane 2 a twin of it (lanes 1 and 2 run
+        at once; lanes 0 and 1 never do)."""
+        if self.index < 2:
+            return layer.op
+        if id(layer.op) not in self.twins:
+            self.twins[id(layer.op)] = (layer.op, layer.op.twin())
+        return self.twins[id(layer.op)][1]
 
     def load(self, tokens_B1: torch.Tensor, pos_B1: torch.Tensor, slots_B: torch.Tensor):
         """The step's inputs copied into this lane's static tensors for its batch size."""
@@ -238,17 +252,17 @@ class GraphedDecode:
 
     def dual(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
              capture: bool = True) -> list[torch.Tensor]:
-        """Two micro-batches' decode steps (each (tokens_B1, pos_B1, slots_B, kv_len)) at once: each lane's graph
-        segments on its own stream, interleaved at the CPU hand-offs (`interleave`), so one micro-batch's GPU work
-        runs while the CPU computes the other's routed experts. Each micro-batch gets the logits its own step would
-        give. A shape that cannot be replayed (no capture allowed now, or its capture failed) runs both steps one
-        after the other instead."""
+        """Two micro-batches' decode steps (each (tokens_B1, pos_B1, slots_B, kv_len)) at once, each lane's graphs
+        on its own stream, so one micro-batch's GPU work runs while the CPU computes the other's routed experts:
+        hostfn, both graphs replayed (their host nodes hand over the CPU); segments, interleaved at the CPU
+        hand-offs (`interleave`). Each micro-batch gets the logits its own step would give. A shape that cannot be
+        replayed (no capture allowed now, or its capture failed) runs both steps one after the other instead."""
         if len(parts) != 2:
             raise ValueError(f"dual-batch decode takes two micro-batches, got {len(parts)}")
         if not self.lanes:
             for i in (1, 2):
                 self.staging.reserve(self.max_batch, lane=i)
-            self.lanes = [_Lane(i, "segments", self.device) for i in (1, 2)]
+            self.lanes = [_Lane(i, self.mode, self.device) for i in (1, 2)]
         graphs = []
         for lane, (tokens_B1, pos_B1, slots_B, kv_len) in zip(self.lanes, parts):
             key = (tokens_B1.shape[0], kv_bucket(kv_len, self.cache.max_context))
@@ -259,8 +273,14 @@ class GraphedDecode:
         main = torch.cuda.current_stream()
         for lane in self.lanes:  # the inputs copied on the caller's stream come first
             lane.stream.wait_stream(main)
-        interleave([(functools.partial(torch.cuda.stream, lane.stream), g.steps)
-                    for lane, g in zip(self.lanes, graphs)])
+        if self.mode == "hostfn":
+            for lane, g in zip(self.lanes, graphs):
+                with torch.cuda.stream(lane.stream):
+                    for step in g.steps:
+                        step()
+        else:
+            interleave([(functools.partial(torch.cuda.stream, lane.stream), g.steps)
+                        for lane, g in zip(self.lanes, graphs)])
         for lane in self.lanes:
             main.wait_stream(lane.stream)
         main.synchronize()
@@ -306,7 +326,7 @@ class GraphedDecode:
             side.synchronize()
             capture = (_HostFnCapture if lane.mode == "hostfn" else _SegmentCapture)(lane.pool)
             try:
-                _, restore = swap_experts(self.model, lambda layer: CapturedExperts(layer, capture))
+                _, restore = swap_experts(self.model, lambda layer: CapturedExperts(layer, capture, lane.op(layer)))
                 try:
                     logits = self._run(lane, b, kv_len)
                 finally:

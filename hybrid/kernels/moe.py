@@ -60,6 +60,11 @@ class CpuMoE:
         self._op.forward(view(x_TD), view(ids_TK), view(weights_TK), view(out_TD), kernel_name(self.kernel))
         return out_TD
 
+    def twin(self) -> "CpuMoE":
+        """Another op over the same weights (nothing copied) with call state of its own: while this op's call is
+        pending, the twin's may be submitted too (a second decode lane); the thread pool runs them in turn."""
+        return CpuMoE(*self._keep, kernel=self.kernel)
+
     def host_job(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                  out_TD: torch.Tensor) -> "_native.HostJob":
         """A call over these fixed buffers that a CUDA stream runs as two host functions (`_native.host_submit_fn`

@@ -261,6 +261,52 @@ def test_submit_twice_raises(variant):
     assert torch.equal(op(x, ids, w), want)  # usable again
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_twins_pending_at_once(variant):
+    """Two ops over the same weights (two decode lanes) each with a call pending: the pool runs them in turn and each
+    wait() returns its own call's result, whichever order the waits come in, from one thread or from two at once
+    (the two lanes' host functions), at 1 and 2 pool threads."""
+    import threading
+
+    D, I = DIMS[1]
+    op = op_for("fp8", D, I, variant)
+    twin = op.twin()
+    inputs = [_inputs((variant, "twin", lane, T), T, D) for lane in (0, 1) for T in (1, 3, 16)]
+    want = [op(*a) for a in inputs]
+    assert all(torch.equal(twin(*a), w) for a, w in zip(inputs, want)), "the twin computes what the op does"
+    before = threads()
+    try:
+        for n in (1, 2):
+            set_threads(n)
+            for i in range(3):
+                a, b = inputs[i], inputs[3 + i]
+                pa, pb = op.submit(*a), twin.submit(*b)
+                assert twin.wait() is pb and op.wait() is pa  # waits in the other order than the submits
+                assert torch.equal(pa, want[i]) and torch.equal(pb, want[3 + i]), f"{variant} n={n}; {seed_note()}"
+            errors, start = [], threading.Barrier(2)
+
+            def lane(o: CpuMoE, first: int) -> None:
+                try:
+                    start.wait()
+                    for it in range(30):
+                        i = first + it % 3
+                        o.submit(*inputs[i])
+                        got = o.wait()
+                        if not torch.equal(got, want[i]):
+                            errors.append(f"lane {first // 3} call {it}: wrong result")
+                except Exception as e:  # noqa: BLE001 - reported by the main thread
+                    errors.append(repr(e))
+            runners = [threading.Thread(target=lane, args=(o, f)) for o, f in ((op, 0), (twin, 3))]
+            for t in runners:
+                t.start()
+            for t in runners:
+                t.join(timeout=120)
+            assert not any(t.is_alive() for t in runners), f"{variant} n={n}: two lanes' calls hung"
+            assert not errors, f"{variant} n={n}: {errors[:3]}; {seed_note()}"
+    finally:
+        set_threads(before)
+
+
 @pytest.mark.parametrize("wtype", WTYPES)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_thread_counts_agree(variant, wtype):
