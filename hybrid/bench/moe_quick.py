@@ -3,7 +3,8 @@
 bench=kernels generates every expert of the layer (11 GB for 256 experts: minutes on a few cores); this draws
 `--distinct` experts' FP8 weights (48: 2.1 GB, several times any L3) and lets the layer's 256 experts use them in
 turn, so every expert's bytes still come from DRAM. Each expert gets exactly `--tokens-per-expert` tokens (16: the
-T = 512 case of top-8 over 256 experts). Prints time, GB/s of expert bytes against the read roof measured in the
+T = 512 case of top-8 over 256 experts), or with `--routing random` that many on average, each token's top-k drawn
+uniformly as bench=kernels draws them. Prints time, GB/s of expert bytes against the read roof measured in the
 same run, and TFLOP/s, per kernel variant."""
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens-per-expert", type=int, default=16)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--routing", choices=("balanced", "random"), default="balanced",
+                    help="balanced: exactly tokens-per-expert tokens on every expert; random: each token's top-k "
+                         "drawn uniformly (the counts vary around tokens-per-expert, as in bench=kernels)")
     ap.add_argument("--amx-min-tokens", type=int, default=None, help="tokens per expert from which the amx variant "
                     "runs AMX tiles (default: policy.cpu.amx_min_tokens's default)")
     ap.add_argument("--roof-gb", type=float, default=4.0, help="buffer of the read-roof probe (GB)")
@@ -52,12 +56,16 @@ def main(argv=None) -> None:
     s = [[scale(I, D) for _ in range(n)], [scale(I, D) for _ in range(n)], [scale(D, I) for _ in range(n)]]
     turn = lambda xs: [xs[e % n] for e in range(E)]  # noqa: E731
     T = E * tpe // K
-    ids = torch.arange(E).repeat(tpe)[torch.randperm(E * tpe)].view(T, K)
+    if a.routing == "balanced":
+        ids = torch.arange(E).repeat(tpe)[torch.randperm(E * tpe)].view(T, K)
+    else:
+        ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    counts = torch.bincount(ids.flatten(), minlength=E)
     x, weights = torch.randn(T, D).to(torch.bfloat16), torch.rand(T, K)
     roof = max(membw.read_roof(a.roof_gb, 3, streams) for streams in (8, 16))
     gb, flop = E * 3 * I * D / 1e9, 2 * 3 * I * D * E * tpe
     print(f"{threads()} threads, read roof {roof:.1f} GB/s; one layer: {E} experts ({n} distinct), T = {T}, "
-          f"{tpe} tokens per expert, {gb:.1f} GB of experts")
+          f"{tpe} tokens per expert ({a.routing}: {int(counts.min())}-{int(counts.max())}), {gb:.1f} GB of experts")
     have = set(available())
     for kernel in a.kernels.split(","):
         if kernel not in have:

@@ -9,3 +9,16 @@ def test_the_quick_moe_bench_times_each_variant_against_the_roof(capsys):
     line = next(x for x in out.splitlines() if x.startswith("generic"))
     assert "GB/s" in line and "of the roof" in line and "TFLOP/s" in line
     assert "nonesuch: not on this CPU, skipped" in out
+
+
+def test_random_routing_varies_the_tokens_per_expert_around_the_mean(capsys):
+    import re
+
+    args = ["--experts", "16", "--distinct", "2", "--tokens-per-expert", "4", "--top-k", "4", "--threads", "2",
+            "--kernels", "generic", "--repeats", "1", "--roof-gb", "0.1"]
+    moe_quick.main(args + ["--routing", "random"])
+    out = capsys.readouterr().out
+    lo, hi = map(int, re.search(r"4 tokens per expert \(random: (\d+)-(\d+)\)", out).groups())
+    assert lo <= 4 <= hi and lo < hi, out  # 64 picks over 16 experts, drawn with the run's seed
+    moe_quick.main(args)
+    assert "4 tokens per expert (balanced: 4-4)" in capsys.readouterr().out
