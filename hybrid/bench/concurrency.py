@@ -269,8 +269,12 @@ def _records(engine, sc: Scenario, results: dict, roof: float, h2d: float, promp
         during, before = statistics.median(r["during"]), statistics.median(r["before"])
         out.append(Record("tpot_during_prefill_s", during, "s", m=n,
                           extra={**common, "worst_step_s": max(r["during"]), "steps": len(r["during"])}))
-        out.append(Record("tpot_ratio", during / before, "x", m=n,
-                          extra={**common, "worst_step_ratio": max(r["during"]) / before}))
+        ratio = Record("tpot_ratio", during / before, "x", m=n,
+                       extra={**common, "worst_step_ratio": max(r["during"]) / before})
+        solo = results.get(f"{n}D", {}).get("before")  # the same decodes alone, in their own scenario
+        if solo:
+            ratio.extra["vs_solo"] = during / statistics.median(solo)
+        out.append(ratio)
         tok = Record("decode_tok_s_during_prefill", r["during_tok_s"], "tok/s", m=n, extra=dict(common))
         stream = _stream_gbs(engine, h2d, prompt_tokens)
         if roof and roof > stream:

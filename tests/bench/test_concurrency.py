@@ -54,6 +54,8 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on t
         during = recs[("tpot_during_prefill_s", sc)]
         assert ratio["value"] > 0 and during["steps"] >= 2  # chunks: the decodes stepped during the prompt
         assert during["worst_step_s"] >= during["value"]
+        solo = recs[("tpot_s", f"{sc[-2]}D")]["value"]  # the same decodes alone (1D / 2D)
+        assert ratio["vs_solo"] == pytest.approx(during["value"] / solo)
     assert "vs_1D" in recs[("tpot_s", "2D")]
     # 2D again with dual-batch decode (the CPU runs the micro-batches in turn): both ways, against their bounds
     assert set(dual) == {False, True} and {r["scenario"] for r in dual.values()} == {"2D"}
@@ -61,6 +63,18 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on t
     for r in dual.values():
         assert r["m"] == 2 and r["bound"] and 0 < r["value"] <= 1.2 * r["bound"]
     assert "with dual-batch overlap" in p.stderr
+
+
+def test_scenarios_checked_before_the_model_is_built():
+    from hybrid.bench.concurrency import check
+
+    b = to_settings(compose(["mode=bench", "bench=concurrency"])).bench  # a 32K long prompt
+    decode_only = [parse_scenario(n) for n in ("1D", "2D", "4D")]
+    check(b, decode_only, 4, 4, 2048)  # no long prompt among them: a short context is enough
+    with pytest.raises(ConfigError, match="needs policy.kv.max_context > it"):
+        check(b, decode_only + [parse_scenario("1P+1D")], 4, 4, 2048)
+    with pytest.raises(ConfigError, match="need 4 requests running at once"):
+        check(b, decode_only, 3, 8, 2048)
 
 
 def test_too_many_requests_for_the_batch_cap_fail_clearly(tmp_path, tiny_dir):
