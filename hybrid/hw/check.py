@@ -41,7 +41,11 @@ def resolve(hw: HwConfig, policy: PolicyConfig, machine: Machine) -> tuple[HwCon
     gpus, gpu_notes = _adapt_gpus(hw.gpus, machine.gpus)
     cpu, cpu_notes = _adapt_cpu(hw.cpu, machine)
     description = f"{hw.description} (adapted to {machine.summary()})".lstrip()
-    return replace(hw, description=description, cpu=cpu, gpus=gpus), gpu_notes + cpu_notes
+    notes = gpu_notes + cpu_notes
+    if hw.slp_crossover_tokens is not None:  # measured on the profile's machine, not on this one
+        notes.append(f"prefill: the profile's measured CPU/SLP crossover ({hw.slp_crossover_tokens} tokens) is not "
+                     "this machine's: policy.prefill.slp_cutoff_tokens defaults to 128 (bench=prefill measures it)")
+    return replace(hw, description=description, cpu=cpu, gpus=gpus, slp_crossover_tokens=None), notes
 
 
 def _gpu_shortfalls(profile: HwConfig, machine: Machine) -> list[str]:
