@@ -65,10 +65,12 @@ def dense64(w: torch.Tensor, scale) -> torch.Tensor:
     return w.to(torch.float64)
 
 
-def rel_errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(p95 over elements of |err|/|ref| (0/0 counts as 0), max|err| / max|ref|)."""
+def rel_errors(out: torch.Tensor, ref: torch.Tensor, terms: torch.Tensor | None = None) -> tuple[float, float]:
+    """(p95 over elements of |err|/|ref| (0/0 counts as 0), max|err| / max|ref|). `terms`: each element's sum of
+    absolute products (a dot product's Σ|x·w|), the denominator of the p95 instead of |ref|: where the products
+    cancel, |ref| can lie far below the fp32 rounding of the terms that any summation order carries."""
     err = (out.to(torch.float64) - ref).abs().flatten()
-    mag = ref.abs().flatten()
+    mag = (ref if terms is None else terms).abs().flatten()
     rel = torch.where(mag > 0, err / mag.clamp_min(1e-300), torch.where(err > 0, float("inf"), 0.0))
     p95 = float(torch.quantile(rel, 0.95)) if rel.numel() > 1 else float(rel.max())
     top = float(mag.max())
