@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 
 from hybrid import tracking
 from hybrid.config.compose import CONF_DIR, RUNS_DIR, settings_of
+from hybrid.config.schema import slp_cutoff
 from hybrid.errors import ConfigError
 from tuner import plots, policy as policy_file, space as sp, trial as trial_run
 from tuner.config import Cutoff, Sampler, TuneConfig, flat_params
@@ -357,8 +358,6 @@ class Tuner:
                 cross = self.worker.call(self.key(warm), {"op": "crossover", "policy": warm, "lengths": lengths},
                                          t.trial_timeout_s, self.log_dir / "crossover.log")
             except RuntimeError as e:
-                from hybrid.engine.build import slp_cutoff
-
                 print(f"warning: cutoff not measured ({e}): policy.{CUTOFF} stays "
                       f"{slp_cutoff(self.cfg.policy, self.cfg.hw)}", file=sys.stderr, flush=True)
                 return

@@ -71,6 +71,17 @@ class HwConfig:
             raise ValueError(f"hw.slp_crossover_tokens must be >= 0 or null, got {self.slp_crossover_tokens}")
 
 
+
+DEFAULT_SLP_CUTOFF = 128  # tokens: policy.prefill.slp_cutoff_tokens where neither the policy nor the profile says
+
+
+def slp_cutoff(p: "PolicyConfig", hw: HwConfig) -> int:
+    """policy.prefill.slp_cutoff_tokens, else the crossover measured for the profile, else DEFAULT_SLP_CUTOFF."""
+    if p.prefill.slp_cutoff_tokens is not None:
+        return p.prefill.slp_cutoff_tokens
+    return hw.slp_crossover_tokens if hw.slp_crossover_tokens is not None else DEFAULT_SLP_CUTOFF
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from hybrid import models
-from hybrid.config.schema import HwConfig, HybridConfig, PolicyConfig
+from hybrid.config.schema import HwConfig, HybridConfig, PolicyConfig, slp_cutoff
 from hybrid.engine.engine import Engine
 from hybrid.engine.hot_experts import HotExperts
 from hybrid.engine.long_prefill import LongPrefill
@@ -48,16 +48,6 @@ def cpu_threads(p: PolicyConfig, hw: HwConfig) -> int:
     from hybrid.hw.detect import detect
 
     return detect().physical_cores
-
-
-DEFAULT_SLP_CUTOFF = 128  # tokens, where neither the policy nor the profile says
-
-
-def slp_cutoff(p: PolicyConfig, hw: HwConfig) -> int:
-    """policy.prefill.slp_cutoff_tokens, else the crossover measured for the profile, else DEFAULT_SLP_CUTOFF."""
-    if p.prefill.slp_cutoff_tokens is not None:
-        return p.prefill.slp_cutoff_tokens
-    return hw.slp_crossover_tokens if hw.slp_crossover_tokens is not None else DEFAULT_SLP_CUTOFF
 
 
 def configure_cpu(threads: int, tile_tokens: int, amx_tokens: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterable, Sequence
 
-from hybrid.config.schema import CpuSpec, GpuSpec, HwConfig, PolicyConfig
+from hybrid.config.schema import DEFAULT_SLP_CUTOFF, CpuSpec, GpuSpec, HwConfig, PolicyConfig
 from hybrid.errors import ConfigError
 from hybrid.hw.detect import Gpu, Machine
 
@@ -44,7 +44,8 @@ def resolve(hw: HwConfig, policy: PolicyConfig, machine: Machine) -> tuple[HwCon
     notes = gpu_notes + cpu_notes
     if hw.slp_crossover_tokens is not None:  # measured on the profile's machine, not on this one
         notes.append(f"prefill: the profile's measured CPU/SLP crossover ({hw.slp_crossover_tokens} tokens) is not "
-                     "this machine's: policy.prefill.slp_cutoff_tokens defaults to 128 (bench=prefill measures it)")
+                     f"this machine's: policy.prefill.slp_cutoff_tokens defaults to {DEFAULT_SLP_CUTOFF} "
+                     "(bench=prefill measures it)")
     return replace(hw, description=description, cpu=cpu, gpus=gpus, slp_crossover_tokens=None), notes
 
 

@@ -83,7 +83,7 @@ def test_policy_null_is_auto():
 
 def test_slp_cutoff_defaults_to_the_profiles_crossover():
     """policy.prefill.slp_cutoff_tokens null: the crossover measured for the hw profile, else 128; a value wins."""
-    from hybrid.engine.build import DEFAULT_SLP_CUTOFF, slp_cutoff
+    from hybrid.config.schema import DEFAULT_SLP_CUTOFF, slp_cutoff
 
     s = _settings(["+hw=h200_xeon16"])
     assert s.policy.prefill.slp_cutoff_tokens is None and s.hw.slp_crossover_tokens == 338
