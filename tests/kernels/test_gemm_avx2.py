@@ -4,8 +4,8 @@
   rows for 1-4 tokens, a converted tile for 5 or more), so a token's row of y is bitwise the same alone and in
   any batch.
 * FP8 subnormal codes decode exactly with denormals flushed on the calling thread (torch.set_flush_denormal sets
-  MXCSR FTZ/DAZ): the FP16 step of the decoding yields FP16 subnormals, and vcvtph2ps widens them exactly
-  whatever MXCSR says.
+  MXCSR FTZ/DAZ): the decoding turns them into fp32 subnormals, so the kernel clears DAZ while it runs and puts
+  the caller's MXCSR back.
 """
 from __future__ import annotations
 
@@ -53,6 +53,22 @@ def test_subnormal_codes_exact_with_denormals_flushed():
             y = gemm(eye[torch.from_numpy(rows)], w, s, kernel="avx2")
             want = exact[:, torch.from_numpy(rows)].T
             assert torch.equal(y, want), f"{len(rows)} tokens: decoded codes differ with denormals flushed"
+        tiny = torch.tensor([1e-40], dtype=torch.float32)
+        assert (tiny * 1.0).item() == 0.0, "the caller's flush-to-zero did not survive the kernel"
     finally:
         torch.set_flush_denormal(False)
         set_threads(before)
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("shift", [-40, 20])
+def test_activation_scale_passes_through_exactly(M, shift):
+    # The streaming path multiplies activations by 2^96 and reads weights as 2^-120 x their value; the tile path
+    # reads them as 2^-8 x. Inside the range the file's header states, scaling x by a power of two scales y by it
+    # exactly on every path (no product leaves fp32's normal range).
+    N, K = 136, 300
+    rng = rng_for("avx2-scale", M, shift)
+    w, s, x = fp8_codes(rng, (N, K)), block_scales(rng, (N, K)), bf16(rng, (M, K))
+    y = gemm(x, w, s, kernel="avx2")
+    ys = gemm((x.float() * 2.0 ** shift).to(torch.bfloat16), w, s, kernel="avx2")
+    assert torch.equal(ys, y * 2.0 ** shift), f"M={M}: y(x * 2^{shift}) != y(x) * 2^{shift}; {seed_note()}"
