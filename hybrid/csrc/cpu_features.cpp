@@ -64,6 +64,15 @@ std::map<std::string, bool> cpu_features() {
   return f;
 }
 
+bool subnormal_inputs_at_full_speed() {
+  const Regs v = cpuid(0, 0);
+  char id[13] = {0};
+  std::memcpy(id + 0, &v.ebx, 4);
+  std::memcpy(id + 4, &v.edx, 4);
+  std::memcpy(id + 8, &v.ecx, 4);
+  return std::strcmp(id, "AuthenticAMD") == 0 || std::strcmp(id, "HygonGenuine") == 0;
+}
+
 std::string cpu_brand() {
   const Regs ext = cpuid(0x80000000u, 0);
   if (ext.eax < 0x80000004u) return "";

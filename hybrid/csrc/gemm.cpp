@@ -5,6 +5,7 @@
 #include <atomic>
 #include <stdexcept>
 
+#include "cpu_features.h"
 #include "dispatch.h"
 #include "gemm_amx.h"
 #include "scratch.h"
@@ -61,9 +62,20 @@ GemmProblem make_problem(const View& x, const View& w, const View* scale, const 
 }
 
 Tunables& tunables() {
-  static Tunables t;
+  static Tunables t = [] {
+    Tunables d;
+    d.avx2_stream_fp16 = !subnormal_inputs_at_full_speed();
+    return d;
+  }();
   return t;
 }
+
+void set_avx2_stream(const std::string& how) {
+  if (how != "fp16" && how != "registers") fail("avx2 stream conversion must be 'fp16' or 'registers', got '" + how + "'");
+  tunables().avx2_stream_fp16 = how == "fp16";
+}
+
+std::string avx2_stream() { return tunables().avx2_stream_fp16 ? "fp16" : "registers"; }
 
 void set_tile_min_m(int64_t m) {
   if (m < 1) fail("tile_min_m must be >= 1");

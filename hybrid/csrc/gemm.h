@@ -70,6 +70,10 @@ struct Tunables {
   // 8 is a first guess, to be measured on an AMX CPU (bench=kernels, both variants; at T = 512, top-8 of 256
   // experts, an expert gets 16 tokens on average, at T = 128 four).
   int64_t amx_min_m = 8;
+  // AVX2 kernel, 1-4 tokens: FP8 rows converted to FP16 in a small buffer (true) or to fp32 in registers, which
+  // turns subnormal codes into fp32 subnormals (false: ~1.2x faster where FMAs take those at full speed, ~17x
+  // slower where each takes a microcode assist). Default: registers on CPUs known to take them at full speed.
+  bool avx2_stream_fp16 = true;
 };
 Tunables& tunables();
 

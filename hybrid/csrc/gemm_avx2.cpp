@@ -76,6 +76,10 @@ inline void fp8_to_fp16_tail(const uint8_t* p, int64_t n, uint16_t* h) {
   fp8_to_fp16(t, h);
 }
 
+inline __m256 fp16x8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 inline __m256 bf16x8(__m128i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)); }
 
 // Weight views for the multiply: get(r, k) = row r, columns k..k+7 as fp32; get_tail the same where fewer than
@@ -90,11 +94,17 @@ struct Fp8Rows {  // FP8 weights converted in registers as they stream by
 struct Fp16Tile {  // converted rows: row r, column k at buf[r * ld + k - k0], zero-padded to whole steps
   const uint16_t* buf;
   int64_t ld, k0;
-  __m256 get(int r, int64_t k) const {
-    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf + r * ld + (k - k0))));
-  }
+  __m256 get(int r, int64_t k) const { return fp16x8(buf + r * ld + (k - k0)); }
   __m256 get_tail(int r, int64_t k, int64_t) const { return get(r, k); }
   Fp16Tile from(int r) const { return {buf + r * ld, ld, k0}; }
+};
+
+constexpr int64_t kRing = 2 * kBlock;  // columns a streaming row keeps converted: the block in use and the next
+
+struct Fp16Ring {  // streaming rows: row r, column k at buf[r * kRing + k % kRing], zero-padded to whole steps
+  const uint16_t* buf;
+  __m256 get(int r, int64_t k) const { return fp16x8(buf + r * kRing + (k & (kRing - 1))); }
+  __m256 get_tail(int r, int64_t k, int64_t) const { return get(r, k); }
 };
 
 struct Bf16Rows {  // BF16 weights read in place
@@ -174,8 +184,9 @@ struct Job {
   const GemmProblem& p;
   const float* x;  // activations in fp32, [M, ldx], zero-padded to whole steps
   int64_t ldx;
-  uint16_t* buf;   // the prefill path's FP16 tile, [kPanelRows, kPanelK]
+  uint16_t* buf;   // FP16 conversion buffer: a prefill tile, or a streaming row group's ring
   __m256* tot;     // prefill block totals, [kPanelRows, M]
+  bool fp16_stream;  // streaming FP8 rows go through the FP16 ring (else: converted in registers)
   bool fp8() const { return p.wt == WeightType::fp8; }
   const float* srow(int64_t n) const { return p.scale ? p.scale + (n / kBlock) * p.lds : nullptr; }
   const uint8_t* w8(int64_t n) const { return static_cast<const uint8_t*>(p.w) + n * p.ldw; }
@@ -198,6 +209,73 @@ struct Prefetch {
 template <int R>
 Prefetch next_group(int64_t ldw, int64_t K) {
   return ldw == K ? Prefetch{R * ldw, R * 64, 64} : Prefetch{R * ldw, 64, ldw};
+}
+
+// Columns [c, c + 16) of rows 0..R-1 into the ring, with the prefetch at each cache line.
+template <int R, bool kTail>
+inline void convert_step(const uint8_t* w, int64_t ldw, int64_t K, int64_t c, uint16_t* ring, const Prefetch& pf) {
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* p = w + r * ldw + c;
+    uint16_t* h = ring + r * kRing + (c & (kRing - 1));
+    if (pf.ahead && (c & 63) == 0) pf.at(w, c, r);
+    if (kTail && c + kStep > K) fp8_to_fp16_tail(p, K - c, h);
+    else fp8_to_fp16(p, h);
+  }
+}
+
+// Columns [c, c + 16) of rows 0..R-1 (full, c a multiple of 16) into the ring at h (the columns' place in it);
+// kLine: c starts a cache line, so the prefetch goes with it (with Prefetch{} it touches this group's first
+// line: harmless).
+template <int R, bool kLine>
+inline void convert_rows(const uint8_t* w, int64_t ldw, int64_t c, uint16_t* h, const Prefetch& pf) {
+  for (int r = 0; r < R; ++r) {
+    if (kLine) pf.at(w, c, r);
+    fp8_to_fp16(w + r * ldw + c, h + r * kRing);
+  }
+}
+
+template <int R>
+void convert_block(const uint8_t* w, int64_t ldw, int64_t K, int64_t k0, uint16_t* ring, const Prefetch& pf) {
+  for (int64_t c = k0; c < lo(K, k0 + kBlock); c += kStep) convert_step<R, true>(w, ldw, K, c, ring, pf);
+}
+
+// Decode, FP8, through FP16 (Tunables::avx2_stream_fp16): rows w[0..R-1] (one scale row, `srow`) against tokens
+// x[0..MT-1], into tot[r * MT + m]; each row converted one block ahead of the multiply, in the same loop, so conversion and FMAs overlap. Everything comes
+// by value: the ring's stores may alias any memory, so fields read through a pointer would be read again after
+// each of them.
+template <int R, int MT>
+void stream_fp16(const uint8_t* w, int64_t ldw, int64_t K, const float* srow, const float* x, int64_t ldx,
+                uint16_t* buf, const Prefetch pf, __m256* tot) {
+  const Fp16Ring ring{buf};
+  const int64_t blocks = (K + kBlock - 1) / kBlock;
+  convert_block<R>(w, ldw, K, 0, buf, pf);
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    const int64_t k0 = kb * kBlock, k1 = lo(K, k0 + kBlock);
+    const bool next_full = k1 + kBlock <= K;
+    if (!next_full && k1 < K) convert_block<R>(w, ldw, K, k1, buf, pf);
+    __m256 blk[R][MT];
+    zero(blk);
+    if (next_full) {
+      // 64 columns (one cache line of each row) per pass: one prefetch per row, then three steps without.
+      // Ring offsets fixed per pass (64 columns never wrap the ring).
+      for (int64_t k = k0; k < k1; k += 4 * kStep) {
+        const Fp16Tile cur{buf + (k & (kRing - 1)), kRing, k};
+        const int64_t c = k + kBlock;
+        uint16_t* dst = buf + (c & (kRing - 1));
+        convert_rows<R, true>(w, ldw, c, dst, pf);
+        step<R, MT, false>(cur, x, ldx, k, 0, blk);
+        convert_rows<R, false>(w, ldw, c + kStep, dst + kStep, pf);
+        step<R, MT, false>(cur, x, ldx, k + kStep, 0, blk);
+        convert_rows<R, false>(w, ldw, c + 2 * kStep, dst + 2 * kStep, pf);
+        step<R, MT, false>(cur, x, ldx, k + 2 * kStep, 0, blk);
+        convert_rows<R, false>(w, ldw, c + 3 * kStep, dst + 3 * kStep, pf);
+        step<R, MT, false>(cur, x, ldx, k + 3 * kStep, 0, blk);
+      }
+    } else {
+      for (int64_t k = k0; k < k1; k += kStep) step<R, MT, false>(ring, x, ldx, k, 0, blk);
+    }
+    post_scale(blk, srow[kb] * kTilePost, tot, MT);
+  }
 }
 
 // Decode, FP8: rows w[0..R-1] (one scale row, `srow`) against tokens x[0..MT-1], into tot[r * MT + m]; 64
@@ -237,7 +315,8 @@ void stream_rows(const Job& j, int64_t n, const Prefetch& pf) {
   for (int i = 0; i < R * MT; ++i) tot[i] = _mm256_setzero_ps();
   const int64_t blocks = (p.K + kBlock - 1) / kBlock;
   if (j.fp8()) {
-    stream_fp8<R, MT>(j.w8(n), p.ldw, p.K, j.srow(n), j.x, j.ldx, pf, tot);
+    if (j.fp16_stream) stream_fp16<R, MT>(j.w8(n), p.ldw, p.K, j.srow(n), j.x, j.ldx, j.buf, pf, tot);
+    else stream_fp8<R, MT>(j.w8(n), p.ldw, p.K, j.srow(n), j.x, j.ldx, pf, tot);
   } else {
     multiply<R, MT>(Bf16Rows{j.w16(n), p.ldw}, j.x, j.ldx, p.K, 0, blocks, nullptr, 1.0f, tot, MT);
   }
@@ -346,7 +425,8 @@ void gemm_rows_avx2(const GemmProblem& p, int64_t n0, int64_t n1) {
   const int64_t ldx = (p.K + kStep - 1) / kStep * kStep;
   const int64_t xn = p.M * ldx, bn = kPanelRows * kPanelK / 2, tn = kPanelRows * p.M * 8;
   float* x = thread_floats(xn + bn + tn);
-  const float xs = p.wt == WeightType::fp8 && p.M <= kStreamMaxM ? kStreamX : 1.0f;
+  const bool fp16_stream = tunables().avx2_stream_fp16;
+  const float xs = p.wt == WeightType::fp8 && p.M <= kStreamMaxM && !fp16_stream ? kStreamX : 1.0f;
   const __m256 xsv = _mm256_set1_ps(xs);
   for (int64_t m = 0; m < p.M; ++m) {
     const uint16_t* src = p.x + m * p.ldx;
@@ -357,7 +437,7 @@ void gemm_rows_avx2(const GemmProblem& p, int64_t n0, int64_t n1) {
     for (; k < p.K; ++k) xd[k] = bf16_to_float(src[k]) * xs;
     for (; k < ldx; ++k) xd[k] = 0.f;
   }
-  const Job j{p, x, ldx, reinterpret_cast<uint16_t*>(x + xn), reinterpret_cast<__m256*>(x + xn + bn)};
+  const Job j{p, x, ldx, reinterpret_cast<uint16_t*>(x + xn), reinterpret_cast<__m256*>(x + xn + bn), fp16_stream};
   const DazOff daz;
   static_assert(kStreamMaxM == 4, "the cases below");
   switch (p.M) {  // rows per streaming pass: 8 to 12 accumulators

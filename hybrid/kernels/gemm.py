@@ -27,3 +27,14 @@ def set_tile_min_tokens(m: int) -> None:
 def set_amx_min_tokens(m: int) -> None:
     """Variant amx: from `m` tokens on, an FP8 GEMM runs on AMX tiles (policy.cpu.amx_min_tokens)."""
     _native.set_amx_min_m(m)
+
+
+def set_avx2_stream(how: str) -> None:
+    """The AVX2 kernel's conversion of streaming FP8 rows (1-4 tokens): "registers" (fp32 in registers; subnormal
+    codes become fp32 subnormals: fast where FMAs take those at full speed, AMD Zen) or "fp16" (through a small
+    FP16 buffer; the default on other CPUs, where each subnormal input costs a microcode assist)."""
+    _native.set_avx2_stream(how)
+
+
+def avx2_stream() -> str:
+    return _native.avx2_stream()

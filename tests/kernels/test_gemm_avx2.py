@@ -1,4 +1,5 @@
-"""Properties of the AVX2 kernel (csrc/gemm_avx2.cpp) beyond the accuracy sweep of test_gemm.py.
+"""Properties of the AVX2 kernel (csrc/gemm_avx2.cpp) beyond the accuracy sweep of test_gemm.py, with each of its
+two conversions of streaming FP8 rows (1-4 tokens: "registers", "fp16"; Tunables::avx2_stream_fp16).
 
 * Batch invariance: every output is the same sequence of fp32 operations whichever path computes it (streaming
   rows for 1-4 tokens, a converted tile for 5 or more), so a token's row of y is bitwise the same alone and in
@@ -14,15 +15,52 @@ import pytest
 import torch
 
 from hybrid.kernels import dispatch
-from hybrid.kernels.gemm import gemm
+from hybrid.kernels.gemm import avx2_stream, gemm, set_avx2_stream
 from hybrid.kernels.thread_pool import set_threads, threads
 from tests.kernels.common import FP8, VALID_CODES, bf16, block_scales, fp8_codes, rng_for, seed_note
 
 pytestmark = pytest.mark.skipif("avx2" not in dispatch.available(), reason="this CPU lacks the avx2 variant")
 
 
+@pytest.fixture(params=["registers", "fp16"])
+def stream(request):
+    before = avx2_stream()
+    set_avx2_stream(request.param)
+    yield request.param
+    set_avx2_stream(before)
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+def test_stream_conversions_agree_bitwise(M):
+    # Products 2^-24 x w·x (registers) and 2^-8 x w·x (FP16), block scales 2^24 and 2^8: the same roundings.
+    N, K = 300, 1000
+    rng = rng_for("avx2-conversions", M)
+    w, s, x = fp8_codes(rng, (N, K)), block_scales(rng, (N, K)), bf16(rng, (M, K))
+    before = avx2_stream()
+    try:
+        set_avx2_stream("registers")
+        y_reg = gemm(x, w, s, kernel="avx2")
+        set_avx2_stream("fp16")
+        y_fp16 = gemm(x, w, s, kernel="avx2")
+    finally:
+        set_avx2_stream(before)
+    assert torch.equal(y_reg, y_fp16), f"M={M}: the two conversions differ; {seed_note()}"
+
+
+def test_stream_conversion_default_follows_the_vendor():
+    # Registers only where FMAs take subnormal inputs at full speed (AMD/Hygon); the brand string names the vendor.
+    from hybrid.kernels.cpu_features import cpu_brand
+    amd = any(v in cpu_brand() for v in ("AMD", "Hygon"))
+    assert (avx2_stream() == "registers") == amd, f"default {avx2_stream()!r} on {cpu_brand()!r}"
+
+
+def test_stream_conversion_name_checked():
+    with pytest.raises(ValueError, match="'fp16' or 'registers'"):
+        set_avx2_stream("fp32")
+
+
 @pytest.mark.parametrize("wtype", ["fp8", "bf16"])
-def test_batch_invariant(wtype):
+def test_batch_invariant(wtype, stream):
     N, K = 300, 1000  # ragged 128-row blocks, row groups, 128-column blocks and 16-column steps
     rng = rng_for("avx2-batch", wtype)
     if wtype == "fp8":
@@ -38,7 +76,7 @@ def test_batch_invariant(wtype):
                                    f"the token alone; {seed_note()}")
 
 
-def test_subnormal_codes_exact_with_denormals_flushed():
+def test_subnormal_codes_exact_with_denormals_flushed(stream):
     N, K = len(VALID_CODES), 130
     codes = np.array(VALID_CODES, dtype=np.uint8)
     w = torch.from_numpy(codes[(np.arange(N)[:, None] + np.arange(K)[None, :] * 7) % N]).view(FP8)
@@ -62,7 +100,7 @@ def test_subnormal_codes_exact_with_denormals_flushed():
 
 @pytest.mark.parametrize("M", [1, 3, 8])
 @pytest.mark.parametrize("shift", [-40, 20])
-def test_activation_scale_passes_through_exactly(M, shift):
+def test_activation_scale_passes_through_exactly(M, shift, stream):
     # The streaming path multiplies activations by 2^96 and reads weights as 2^-120 x their value; the tile path
     # reads them as 2^-8 x. Inside the range the file's header states, scaling x by a power of two scales y by it
     # exactly on every path (no product leaves fp32's normal range).
