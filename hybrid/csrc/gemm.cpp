@@ -71,7 +71,8 @@ Tunables& tunables() {
 }
 
 void set_avx2_stream(const std::string& how) {
-  if (how != "fp16" && how != "registers") fail("avx2 stream conversion must be 'fp16' or 'registers', got '" + how + "'");
+  if (how != "fp16" && how != "registers")
+    fail("avx2 stream conversion must be 'fp16' or 'registers', got '" + how + "'");
   tunables().avx2_stream_fp16 = how == "fp16";
 }
 

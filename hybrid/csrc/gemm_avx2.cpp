@@ -9,7 +9,9 @@
 //   activations are multiplied by 2^96 as they are converted to fp32 (exact while |x| < 2^32), so each product
 //   is 2^-24 x w·x, inside fp32's normal range. MXCSR's DAZ would flush the subnormal codes (|w| < 2^-6 before
 //   the block scale) to zero, so the kernel clears DAZ while it runs (DazOff) and puts the caller's MXCSR back.
-//   Zen 3 takes subnormal FMA inputs at full speed.
+//   AMD Zen takes subnormal FMA inputs at full speed; Intel cores take a microcode assist for each (~17x slower
+//   with one code in 16 subnormal), so there streaming rows go through FP16 as the tiles do
+//   (Tunables::avx2_stream_fp16, set from the cpuid vendor).
 // * Prefill tiles (5 tokens and more), converted once into an L1 buffer: the code's sign moved to bit 15 and its
 //   other seven bits to bits 13..7 of a 16-bit lane is an FP16 number worth exactly 2^-8 times the code's value
 //   (one byte shuffle, one shift and one mask per 16 weights), which vcvtph2ps widens exactly, subnormals too,
@@ -17,11 +19,12 @@
 //   on Zen 3 at 32-128 tokens: it doubles the tile's bytes.)
 // The two paths' products differ by exactly 2^16 and so do their block scales: every FMA rounds the same, and
 // a token's result is bitwise the same whichever path its batch takes (per block: 8-column FMAs in column
-// order, then one FMA with the block scale; one horizontal sum at the end). The NaN codes 0x7F/0xFF would read as
-// the finite 480: the weight loader rejects checkpoints that contain them.
+// order, then one FMA with the block scale; one horizontal sum at the end). The NaN codes 0x7F/0xFF would read
+// as the finite 480: the weight loader rejects checkpoints that contain them.
 //
 // Up to 4 tokens, R rows stream from memory (the next row group prefetched in address order, see Prefetch),
-// each 8 weights converted in registers and multiplied with every token: no buffer, no store. From 5 tokens on,
+// each 8 weights converted in registers and multiplied with every token, no buffer and no store (or, through
+// FP16, each row converted a block ahead into a small ring buffer). From 5 tokens on,
 // a tile of 18 rows x 512 columns is converted once and every token is multiplied against it, 3 rows x up to 4
 // tokens at a time.
 #include <immintrin.h>
@@ -240,9 +243,9 @@ void convert_block(const uint8_t* w, int64_t ldw, int64_t K, int64_t k0, uint16_
 }
 
 // Decode, FP8, through FP16 (Tunables::avx2_stream_fp16): rows w[0..R-1] (one scale row, `srow`) against tokens
-// x[0..MT-1], into tot[r * MT + m]; each row converted one block ahead of the multiply, in the same loop, so conversion and FMAs overlap. Everything comes
-// by value: the ring's stores may alias any memory, so fields read through a pointer would be read again after
-// each of them.
+// x[0..MT-1], into tot[r * MT + m]; each row converted one block ahead of the multiply, in the same loop, so
+// conversion and FMAs overlap. Everything comes by value: the ring's stores may alias any memory, so fields read
+// through a pointer would be read again after each of them.
 template <int R, int MT>
 void stream_fp16(const uint8_t* w, int64_t ldw, int64_t K, const float* srow, const float* x, int64_t ldx,
                 uint16_t* buf, const Prefetch pf, __m256* tot) {
@@ -278,10 +281,11 @@ void stream_fp16(const uint8_t* w, int64_t ldw, int64_t K, const float* srow, co
   }
 }
 
-// Decode, FP8: rows w[0..R-1] (one scale row, `srow`) against tokens x[0..MT-1], into tot[r * MT + m]; 64
-// columns (one cache line of each row) per pass, with one prefetch per row of the next group.
+// Decode, FP8, converted in registers: rows w[0..R-1] (one scale row, `srow`) against tokens x[0..MT-1] (x 2^96),
+// into tot[r * MT + m]; 64 columns (one cache line of each row) per pass, with one prefetch per row of the next
+// group.
 template <int R, int MT>
-void stream_fp8(const uint8_t* w, int64_t ldw, int64_t K, const float* srow, const float* x, int64_t ldx,
+void stream_registers(const uint8_t* w, int64_t ldw, int64_t K, const float* srow, const float* x, int64_t ldx,
                 const Prefetch pf, __m256* tot) {
   const Fp8Rows rows{w, ldw};
   const int64_t blocks = (K + kBlock - 1) / kBlock;
@@ -316,7 +320,7 @@ void stream_rows(const Job& j, int64_t n, const Prefetch& pf) {
   const int64_t blocks = (p.K + kBlock - 1) / kBlock;
   if (j.fp8()) {
     if (j.fp16_stream) stream_fp16<R, MT>(j.w8(n), p.ldw, p.K, j.srow(n), j.x, j.ldx, j.buf, pf, tot);
-    else stream_fp8<R, MT>(j.w8(n), p.ldw, p.K, j.srow(n), j.x, j.ldx, pf, tot);
+    else stream_registers<R, MT>(j.w8(n), p.ldw, p.K, j.srow(n), j.x, j.ldx, pf, tot);
   } else {
     multiply<R, MT>(Bf16Rows{j.w16(n), p.ldw}, j.x, j.ldx, p.K, 0, blocks, nullptr, 1.0f, tot, MT);
   }
