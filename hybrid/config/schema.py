@@ -71,7 +71,6 @@ class HwConfig:
             raise ValueError(f"hw.slp_crossover_tokens must be >= 0 or null, got {self.slp_crossover_tokens}")
 
 
-
 DEFAULT_SLP_CUTOFF = 128  # tokens: policy.prefill.slp_cutoff_tokens where neither the policy nor the profile says
 
 

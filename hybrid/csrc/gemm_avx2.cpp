@@ -45,7 +45,7 @@ constexpr int kPanelR = 3;          // prefill: rows per multiply (x 4 tokens: 1
 constexpr int kStreamMaxM = 4;      // up to this many tokens, FP8 rows stream (converted in registers)
 constexpr float kStreamX = 0x1p96f; // streaming FP8: activations x 2^96 ...
 constexpr float kStreamPost = 0x1p24f;  // ... times weights read as 2^-120 x their value: products 2^-24 x w·x
-constexpr float kTilePost = 256.0f; // FP8 tile: FP16-coded weights read 2^-8 of their value: products 2^-8 x w·x
+constexpr float kFp16Post = 256.0f; // FP16-coded FP8 weights (tiles, the FP16 ring) read 2^-8 of their value
 
 // 8 E4M3 codes at p -> 2^-120 x their values (see the top of the file).
 inline __m256 fp8x8(const uint8_t* p) {
@@ -277,7 +277,7 @@ void stream_fp16(const uint8_t* w, int64_t ldw, int64_t K, const float* srow, co
     } else {
       for (int64_t k = k0; k < k1; k += kStep) step<R, MT, false>(ring, x, ldx, k, 0, blk);
     }
-    post_scale(blk, srow[kb] * kTilePost, tot, MT);
+    post_scale(blk, srow[kb] * kFp16Post, tot, MT);
   }
 }
 
@@ -403,7 +403,7 @@ void tiles(const Job& j, int64_t n0, int64_t n1) {
           for (int64_t k = 0; k < full; k += kStep) fp8_to_fp16(w + k, h + k);
           if (full < kn) fp8_to_fp16_tail(w + full, kn - full, h + full);
         }
-        tile_tokens(j, Fp16Tile{j.buf, kPanelK, kc}, rows, kb0, kb1, j.srow(g), kTilePost);
+        tile_tokens(j, Fp16Tile{j.buf, kPanelK, kc}, rows, kb0, kb1, j.srow(g), kFp16Post);
       } else {
         tile_tokens(j, Bf16Rows{j.w16(g), p.ldw}, rows, kb0, kb1, nullptr, 1.0f);
       }
@@ -429,6 +429,7 @@ void gemm_rows_avx2(const GemmProblem& p, int64_t n0, int64_t n1) {
   const int64_t ldx = (p.K + kStep - 1) / kStep * kStep;
   const int64_t xn = p.M * ldx, bn = kPanelRows * kPanelK / 2, tn = kPanelRows * p.M * 8;
   float* x = thread_floats(xn + bn + tn);
+  const DazOff daz;  // before the activations' conversion too: it multiplies them on the register path
   const bool fp16_stream = tunables().avx2_stream_fp16;
   const float xs = p.wt == WeightType::fp8 && p.M <= kStreamMaxM && !fp16_stream ? kStreamX : 1.0f;
   const __m256 xsv = _mm256_set1_ps(xs);
@@ -442,7 +443,6 @@ void gemm_rows_avx2(const GemmProblem& p, int64_t n0, int64_t n1) {
     for (; k < ldx; ++k) xd[k] = 0.f;
   }
   const Job j{p, x, ldx, reinterpret_cast<uint16_t*>(x + xn), reinterpret_cast<__m256*>(x + xn + bn), fp16_stream};
-  const DazOff daz;
   static_assert(kStreamMaxM == 4, "the cases below");
   switch (p.M) {  // rows per streaming pass: 8 to 12 accumulators
     case 1: return stream<8, 1>(j, n0, n1);
