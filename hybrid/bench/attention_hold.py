@@ -6,7 +6,8 @@ priorities say, so a decode step that needs the GPU meanwhile waits. This measur
 attention shape (128 heads, q/k head dim 192, v 128):
 * one causal attention over `--tokens` positions, whole (default backend) and in query chunks two ways: one call per
   chunk with a lower-right causal mask, and two mask-free calls per chunk (the keys before the chunk; the chunk's own
-  keys, plain causal) merged by their log-sum-exps — each way's time and its largest difference from the whole;
+  keys, plain causal) merged by their log-sum-exps (hybrid/kernels/attention.py, what the model's prefill runs with
+  policy.prefill.attention_chunk_tokens) — each way's time and its largest difference from the whole;
 * a decode-like step (12 small GEMMs) on the highest-priority stream, alone and while each way runs on the lowest:
   how many steps got through, their median and their worst time.
 """
@@ -19,6 +20,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from hybrid.kernels.attention import causal_in_chunks
+
 
 def masked_chunks(q, k, v, chunk: int, scale: float) -> torch.Tensor:
     """Causal attention, one call per query chunk with a lower-right causal mask (no cuDNN: the mask takes it out)."""
@@ -29,33 +32,6 @@ def masked_chunks(q, k, v, chunk: int, scale: float) -> torch.Tensor:
         s1 = min(S, s0 + chunk)
         outs.append(F.scaled_dot_product_attention(q[:, :, s0:s1], k[:, :, :s1], v[:, :, :s1],
                                                    attn_mask=causal_lower_right(s1 - s0, s1), scale=scale))
-    return torch.cat(outs, 2)
-
-
-def _with_lse(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention output and its log-sum-exp per query ([B, H, S]), cuDNN first, else the mem-efficient kernel."""
-    try:
-        r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
-    except RuntimeError:
-        r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
-    lse = r[1].squeeze(-1) if r[1].dim() == 4 else r[1]  # cuDNN: [B, H, S, 1]; mem-efficient: [B, H, S rounded up]
-    return r[0], lse[..., :q.shape[2]].float()
-
-
-def split_chunks(q, k, v, chunk: int, scale: float) -> torch.Tensor:
-    """Causal attention per query chunk as two mask-free calls merged by their log-sum-exps."""
-    S, outs = q.shape[2], []
-    for s0 in range(0, S, chunk):
-        s1 = min(S, s0 + chunk)
-        qc = q[:, :, s0:s1]
-        o_own, l_own = _with_lse(qc, k[:, :, s0:s1], v[:, :, s0:s1], True, scale)
-        if s0 == 0:
-            outs.append(o_own)
-            continue
-        o_before, l_before = _with_lse(qc, k[:, :, :s0], v[:, :, :s0], False, scale)
-        top = torch.maximum(l_own, l_before)
-        w_own, w_before = (l_own - top).exp()[..., None], (l_before - top).exp()[..., None]
-        outs.append(((o_own.float() * w_own + o_before.float() * w_before) / (w_own + w_before)).to(q.dtype))
     return torch.cat(outs, 2)
 
 
@@ -90,7 +66,7 @@ def main(argv=None) -> None:
     ways = {"whole": whole}
     for c in (int(x) for x in a.chunks.split(",")):
         ways[f"masked {c}"] = lambda c=c: masked_chunks(q, k, v, c, scale)
-        ways[f"split {c}"] = lambda c=c: split_chunks(q, k, v, c, scale)
+        ways[f"split {c}"] = lambda c=c: causal_in_chunks(q, k, v, scale, c)  # the model's prefill way
     print(f"causal attention, {H} heads, {S} tokens, head dims 192/128, bf16, {torch.cuda.get_device_name()}")
     for name, fn in ways.items():
         try:

@@ -21,8 +21,8 @@ from hybrid.engine.engine import Engine
 from hybrid.engine.hot_experts import HotExperts
 from hybrid.engine.long_prefill import LongPrefill
 from hybrid.engine.memory import Ledger, auto_chunk, check_kv_cache, free_bytes, group_bytes, kv_cache_bytes
-from hybrid.engine.placement import (cpu_experts, experts_to_cpu_kernels, hot_experts_to_device, pin_experts,
-                                     place)
+from hybrid.engine.placement import (chunk_prefill_attention, cpu_experts, experts_to_cpu_kernels,
+                                     hot_experts_to_device, pin_experts, place)
 from hybrid.engine.plan import Plan, resolve_prefill_gpus
 from hybrid.engine.staging import Staging
 from hybrid.errors import ConfigError
@@ -65,6 +65,7 @@ def configure_cpu(threads: int, tile_tokens: int, amx_tokens: int) -> None:
 REBUILDABLE = frozenset({"cpu.threads", "cpu.gemm_tile_tokens", "cpu.amx_min_tokens", "prefill.chunk_tokens",
                          "prefill.slp_cutoff_tokens", "prefill.ring_len", "prefill.slp_chunk_tokens",
                          "prefill.slp_group_experts", "prefill.beside_decode", "prefill.stream_cap_gbps",
+                         "prefill.attention_chunk_tokens",
                          "decode.batch_cap", "decode.cuda_graphs", "decode.dual_batch", "gpu.experts_per_layer"})
 
 
@@ -196,6 +197,7 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
     p, model, device = s.policy, placed.model, placed.device
     a = model.args
     threads = cpu_threads(p, hw)
+    chunk_prefill_attention(model, p.prefill.attention_chunk_tokens)
     if previous is not None:  # a fresh build's place_model set them already, from the same policy
         configure_cpu(threads, p.cpu.gemm_tile_tokens, p.cpu.amx_min_tokens)
     same_hot = previous is not None and previous.plan.gpu_experts_per_layer == p.gpu.experts_per_layer
@@ -241,6 +243,7 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
                 moe_backend=p.cpu.moe_backend, cpu_lm_head=cpu_lm_head(p, device, placed.native),
                 deferred_experts=p.cpu.deferred_experts, max_batch=p.kv.max_batch, max_context=p.kv.max_context,
                 batch_cap=p.decode.batch_cap, prefill_chunk_tokens=p.prefill.chunk_tokens,
+                prefill_attention_chunk=p.prefill.attention_chunk_tokens,
                 slp_cutoff_tokens=slp_cutoff(p, hw), slp_chunk_tokens=chunk,
                 ring_len=p.prefill.ring_len, slp_group_experts=group,
                 prefill_gpus=placed.prefill_gpus, prefill_ep=p.prefill.ep,
@@ -285,6 +288,7 @@ def peer_model(device: torch.device, s: HybridConfig, threads: int) -> tuple[Tra
     gemm = device_gemm(p, device)
     fused = pointwise.Fused(pointwise.warm_up(a, device, model.dtype))
     place(model, device, p.gpu.weights, gemm, fused, kernel_name(p.cpu.kernel), p.cpu.lm_head)
+    chunk_prefill_attention(model, p.prefill.attention_chunk_tokens)
     if not cuda:
         return model, StreamLoader(gemm)
     if a.fp8_block:

@@ -266,6 +266,14 @@ def place(model: nn.Module, device: torch.device, gpu_weights: str = "dense", ge
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
 
+def chunk_prefill_attention(model: nn.Module, tokens: int) -> None:
+    """Prefill attention over more than `tokens` queries in query chunks of that many (0: one call per layer;
+    policy.prefill.attention_chunk_tokens): on a GPU, decode's steps get the SMs between the chunks' kernels. Set
+    for every prompt alike, so that a request's tokens do not depend on what else runs."""
+    for mla in (m for m in model.modules() if isinstance(m, MLA)):
+        mla.query_chunk = tokens
+
+
 def lm_head_to_fp8(lin: Linear, block: tuple[int, int] = (128, 128)) -> None:
     """A BF16 Linear (lm_head) quantised once into block-scaled FP8 (amax / 448 per block, as the checkpoints'
     FP8 weights), for the native FP8 GEMM: half the bytes per call. The logits change (docs/perf-notes.md)."""

@@ -29,6 +29,7 @@ class Plan:
     max_context: int = 4096
     batch_cap: int = 8
     prefill_chunk_tokens: int = 512
+    prefill_attention_chunk: int = 0  # a prompt's attention in query chunks of this many (0: one call per layer)
     # stream-loading prefill (on a GPU only)
     slp_cutoff_tokens: int = 128
     slp_chunk_tokens: int = 0  # 0 = the whole prompt at once
@@ -63,7 +64,9 @@ class Plan:
                  f"(tiles reused from {p.cpu_gemm_tile_tokens} tokens per expert{amx}), experts on {p.moe_backend}"
                  + (f", lm_head {p.cpu_lm_head}" if p.device.type == "cpu" else ""),
                  f"  requests: {p.max_batch} KV slots x {p.max_context} tokens, at most {p.batch_cap} running, "
-                 f"prefill chunks of {p.prefill_chunk_tokens} tokens"
+                 f"prefill chunks of {p.prefill_chunk_tokens} tokens, "
+                 + (f"attention over longer prompts in query chunks of {p.prefill_attention_chunk}"
+                    if p.prefill_attention_chunk else "attention in one call per layer")
                  + (", decode in two micro-batches " + ("overlapped (graph segments on two streams)"
                                                         if p.cuda_graphs != "off" else "in turn (no overlap)")
                     if p.dual_batch else "")]

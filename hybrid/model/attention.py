@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid.kernels.attention import causal_in_chunks
 from hybrid.kernels.pointwise import FUSED, Fused, expand_keys
 from hybrid.model.args import ModelArgs
 from hybrid.model.kv_cache import LatentCache
@@ -38,6 +39,8 @@ class MLA(nn.Module):
         # kv_b as its per-head key and value matrices, dequantised once (`keep_kv_b`); None: at each call
         self.register_buffer("w_uk_HNC", None, persistent=False)
         self.register_buffer("w_uv_HVC", None, persistent=False)
+        # prefill of more tokens than this in query chunks of this many (hybrid/kernels/attention.py); 0: one call
+        self.query_chunk = 0
 
     def keep_kv_b(self, dtype: torch.dtype) -> int:
         """kv_b dequantised to `dtype` once and kept as its two halves, each contiguous (a product reads one whole;
@@ -91,9 +94,12 @@ class MLA(nn.Module):
         w_HXC = self._kv_b(x_BSD.dtype)
         # a chunk covering every key from position 0 (a whole prompt) is plain causal: no mask needed
         causal = S > 1 and S == kv_BTC.shape[1] and (cache is None or kv_len == S)
-        visible_BST = None if causal else key_pos_BT[:, None, :] <= pos_BS[:, :, None]
+        # one sequence's prompt, or a later chunk of it (its S new tokens are the last S of its kv_len positions),
+        # longer than a query chunk: in query chunks, each without a mask
+        chunked = B == 1 and 0 < self.query_chunk < S and (causal or cache is not None)
+        visible_BST = None if causal or chunked else key_pos_BT[:, None, :] <= pos_BS[:, :, None]
         if S > 1:
-            o_BSHV = self._expanded(q_BSHK, kv_BTC, pe_BTR, w_HXC, visible_BST)
+            o_BSHV = self._expanded(q_BSHK, kv_BTC, pe_BTR, w_HXC, visible_BST, self.query_chunk if chunked else 0)
         else:
             o_BSHV = self._absorbed(q_nope_BSHN, q_pe_BSHR, kv_BTC, pe_BTR, w_HXC, visible_BST)
         return self.o_proj(o_BSHV.flatten(2))
@@ -126,9 +132,10 @@ class MLA(nn.Module):
                                         pos_BS[:, 0] + 1, kv_len, a.softmax_scale)
         return heads.per_head(o_BHC[:, None].to(dtype), w_uv_HVC, by_rows=False)
 
-    def _expanded(self, q_BSHK, kv_BTC, pe_BTR, w_HXC, visible_BST):
+    def _expanded(self, q_BSHK, kv_BTC, pe_BTR, w_HXC, visible_BST, chunk: int = 0):
         """Prefill: keys and values expanded per head, then a fused attention kernel, whose memory grows with
-        S·T only through the mask (visible_BST None: plain causal, no mask)."""
+        S·T only through the mask (visible_BST None: causal, the queries the last S of the T positions, no mask;
+        `chunk` > 0: in query chunks of that many, two mask-free calls each)."""
         a = self.args
         if w_HXC is None:  # the kept halves
             k_nope_BTHN = torch.einsum("btc,hnc->bthn", kv_BTC, self.w_uk_HNC)
@@ -137,8 +144,11 @@ class MLA(nn.Module):
             kv_BTHX = torch.einsum("btc,hxc->bthx", kv_BTC, w_HXC)
             k_nope_BTHN, v_BTHV = kv_BTHX.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
         k_BTHK = expand_keys(k_nope_BTHN, pe_BTR, self.fused)
-        causal = visible_BST is None
-        o_BHSV = F.scaled_dot_product_attention(q_BSHK.transpose(1, 2), k_BTHK.transpose(1, 2),
-                                                v_BTHV.transpose(1, 2), attn_mask=None if causal else
-                                                visible_BST[:, None], is_causal=causal, scale=a.softmax_scale)
+        q_BHSK, k_BHTK, v_BHTV = q_BSHK.transpose(1, 2), k_BTHK.transpose(1, 2), v_BTHV.transpose(1, 2)
+        if chunk:
+            o_BHSV = causal_in_chunks(q_BHSK, k_BHTK, v_BHTV, a.softmax_scale, chunk)
+        else:
+            causal = visible_BST is None
+            o_BHSV = F.scaled_dot_product_attention(q_BHSK, k_BHTK, v_BHTV, attn_mask=None if causal else
+                                                    visible_BST[:, None], is_causal=causal, scale=a.softmax_scale)
         return o_BHSV.transpose(1, 2)

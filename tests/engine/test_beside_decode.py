@@ -235,7 +235,8 @@ def test_throttle_paces_announced_copies():
 @pytest.mark.parametrize("cap", [None, 2.0])
 def test_gpu_prefill_beside_graphed_decode_keeps_solo_tokens(cap):
     """On a GPU, under CUDA graphs: a long prompt streamed on its own thread and stream while two requests decode
-    (one of them arriving during the stream); every request's greedy tokens equal its tokens alone. (On the H200,
+    (one of them arriving during the stream), its attention in query chunks; every request's greedy tokens equal
+    its tokens alone. (On the H200,
     2026-12-01, run D, request 0 left its solo tokens at its 34th token with the einsum attention and unpadded
     GEMMs; policy.decode.batch_invariant, on here, is meant to fix it — not run on a GPU yet.)"""
     from hybrid.config.compose import compose, to_settings
@@ -244,7 +245,7 @@ def test_gpu_prefill_beside_graphed_decode_keeps_solo_tokens(cap):
     overrides = ["+hw=h200_xeon16", "policy=default", "policy.adapt_to_hardware=true", "model.dtype=float32",
                  "policy.decode.cuda_graphs=hostfn", "policy.kv.max_batch=3", "policy.decode.batch_cap=3",
                  "policy.kv.max_context=512", "policy.prefill.slp_cutoff_tokens=32", "policy.prefill.beside_decode=true",
-                 "policy.decode.batch_invariant=true"]
+                 "policy.decode.batch_invariant=true", "policy.prefill.attention_chunk_tokens=64"]  # 200: 4 chunks
     if cap is not None:
         overrides.append(f"policy.prefill.stream_cap_gbps={cap}")
     s = to_settings(compose(overrides))
