@@ -145,8 +145,8 @@ class MLA(nn.Module):
             k_nope_BTHN, v_BTHV = kv_BTHX.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
         k_BTHK = expand_keys(k_nope_BTHN, pe_BTR, self.fused)
         q_BHSK, k_BHTK, v_BHTV = q_BSHK.transpose(1, 2), k_BTHK.transpose(1, 2), v_BTHV.transpose(1, 2)
-        if chunk:
-            o_BHSV = causal_in_chunks(q_BHSK, k_BHTK, v_BHTV, a.softmax_scale, chunk)
+        if chunk:  # the values packed (a view of kv_b's product otherwise): the fused kernels' calls take them
+            o_BHSV = causal_in_chunks(q_BHSK, k_BHTK, v_BTHV.contiguous().transpose(1, 2), a.softmax_scale, chunk)
         else:
             causal = visible_BST is None
             o_BHSV = F.scaled_dot_product_attention(q_BHSK, k_BHTK, v_BHTV, attn_mask=None if causal else

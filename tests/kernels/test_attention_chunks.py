@@ -41,8 +41,11 @@ def test_chunks_within_the_activation_dtype_rounding(dtype, tol):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuDNN / mem-efficient attention with lse)")
 @pytest.mark.parametrize("K,V", [(24, 16), (192, 128)])
-def test_chunks_on_cuda_within_bf16_rounding(K, V):
-    q, k, v = (t.cuda() for t in _qkv(300, 340, torch.bfloat16, seed=4, K=K, V=V))
+@pytest.mark.parametrize("batch", [1, 2])
+def test_chunks_on_cuda_within_bf16_rounding(K, V, batch):
+    """On the GPU (a batch of one: its batch stride rewritten, the model's [B, S, H, K] layout transposed)."""
+    q, k, v = (t[:batch].transpose(1, 2).contiguous().transpose(1, 2).cuda()
+               for t in _qkv(300, 340, torch.bfloat16, seed=4, K=K, V=V))
     out = causal_in_chunks(q, k, v, K ** -0.5, 64)
     whole = _reference(q.cpu(), k.cpu(), v.cpu(), K ** -0.5)
     assert out.dtype == torch.bfloat16 and (out.double().cpu() - whole).abs().max().item() <= 2e-2
