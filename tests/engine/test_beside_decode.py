@@ -236,9 +236,8 @@ def test_throttle_paces_announced_copies():
 def test_gpu_prefill_beside_graphed_decode_keeps_solo_tokens(cap):
     """On a GPU, under CUDA graphs: a long prompt streamed on its own thread and stream while two requests decode
     (one of them arriving during the stream), its attention in query chunks; every request's greedy tokens equal
-    its tokens alone. (On the H200,
-    2026-12-01, run D, request 0 left its solo tokens at its 34th token with the einsum attention and unpadded
-    GEMMs; policy.decode.batch_invariant, on here, is meant to fix it — not run on a GPU yet.)"""
+    its tokens alone. (On the H200, 2026-12-01, run D, request 0 left its solo tokens at its 34th token with the
+    einsum attention and unpadded GEMMs; policy.decode.batch_invariant, on here, fixed it: passed in G1 and K7.)"""
     from hybrid.config.compose import compose, to_settings
     from hybrid.engine.build import build
 
