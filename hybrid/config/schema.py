@@ -163,11 +163,12 @@ class PrefillPolicy:
     beside_decode: bool = False  # a stream-loaded prompt runs on a thread of its own while the others keep decoding
     stream_cap_gbps: Optional[float] = None  # beside decode, while requests decode: the stream's copies at most this
     attention_chunk_tokens: int = 2048  # a prompt's attention in query chunks of this many (0: one call per layer)
+    beside_cores: int = 0  # while a prompt streams beside decode, decode's CPU experts leave this many cores to it
 
     def __post_init__(self) -> None:
         _at_least(self, "prefill", 1, "chunk_tokens")
         _at_least(self, "prefill", 0, "slp_cutoff_tokens", optional=True)
-        _at_least(self, "prefill", 0, "attention_chunk_tokens")
+        _at_least(self, "prefill", 0, "attention_chunk_tokens", "beside_cores")
         _at_least(self, "prefill", 1, "ring_len", "slp_chunk_tokens", "slp_group_experts", optional=True)
         if self.gpus not in (None, 1, 2):
             raise ValueError(f"policy.prefill.gpus must be 1, 2 or null, got {self.gpus}")

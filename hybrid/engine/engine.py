@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Optional, 
 
 import torch
 
-from hybrid.engine.plan import Plan
+from hybrid.engine.plan import Plan, decode_threads
 from hybrid.engine.requests import FinishReason, Request, RequestError, RequestOutput, SamplingParams, State
 from hybrid.engine.sampler import Sampler, choose
 from hybrid.engine.scheduler import Chunk, Scheduler
 from hybrid.engine.streams import decode_stream, on
+from hybrid.kernels import thread_pool
 from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
 from hybrid.prefill.throttle import Throttle
@@ -179,12 +180,14 @@ class Engine:
         plan = self.scheduler.plan()
         # a stream-loading prefill beside decode is paced while requests decode, at full speed when none does
         self._throttle.set_rate(self.plan.stream_cap_bytes_s if plan.decode else None)
+        self._size_pool()
         for chunk in plan.prefill:
             if chunk.beside and self._beside_applies(chunk):
                 try:
                     self._beside = self._start_beside(chunk)
                 except Exception as e:  # no stream or thread to run it: this request fails, the others go on
                     self._fail([chunk.request], e, changed)
+                self._size_pool()
             else:
                 self._prefill(chunk, changed)
         live = [r for r in plan.decode if not r.finished]
@@ -340,6 +343,14 @@ class Engine:
         else:
             req.state = State.prefilling
             self._prefilled(b.chunk, b.logits, changed)
+
+    def _size_pool(self) -> None:
+        """The native kernels' threads for this step's CPU work (decode_threads). Called from the engine's thread
+        between its jobs; the prefill beside decode runs none of its own on the pool."""
+        if self.plan.prefill_beside_cores:
+            want = decode_threads(self.plan, self._beside is not None)
+            if thread_pool.threads() != want:
+                thread_pool.set_threads(want)
 
     def _decode_step(self, live: list[Request], changed: dict[int, Request]) -> None:
         groups = micro_batches(live) if self.plan.dual_batch else [live]

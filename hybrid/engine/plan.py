@@ -38,6 +38,7 @@ class Plan:
     prefill_gpus: int = 1  # GPUs a long prompt's prefill may take when nothing decodes (resolve_prefill_gpus)
     prefill_ep: str = "smallep"  # how two GPUs share the routed experts: smallep | ep
     prefill_beside_decode: bool = False  # a stream-loaded prompt on its own thread while the others decode
+    prefill_beside_cores: int = 0  # meanwhile decode's CPU experts run on this many fewer threads
     stream_cap_bytes_s: Optional[float] = None  # that stream's copy rate while requests decode (None: no cap)
     # GPU side
     gpu_weights: str = "dense"
@@ -79,7 +80,9 @@ class Plan:
             beside = "alone in its step (decode held)"
             if p.prefill_beside_decode:
                 cap = "uncapped" if p.stream_cap_bytes_s is None else f"{p.stream_cap_bytes_s / 1e9:g} GB/s"
-                beside = f"beside decode ({cap} while requests decode)"
+                cores = (f", decode's experts on {decode_threads(p, True)} threads meanwhile"
+                         if p.prefill_beside_cores else "")
+                beside = f"beside decode ({cap} while requests decode{cores})"
             lines += [f"  stream-loading prefill above {p.slp_cutoff_tokens} tokens: ring {ring}, experts in groups "
                       f"of {p.slp_group_experts}, chunks {p.slp_chunk_tokens or 'whole prompt'}, on {gpus}, "
                       f"{beside}",
@@ -89,6 +92,14 @@ class Plan:
                          if p.gpu_pad_rows else "not batch-invariant (einsum attention)"),
                       "  memory: " + ", ".join(f"{name} {b / 1e9:.2f} GB" for name, b in p.ledger.rows())]
         return "\n".join(lines)
+
+
+def decode_threads(p: Plan, beside: bool) -> int:
+    """Threads of decode's CPU experts: all the plan's, but while a prompt streams beside decode
+    `prefill_beside_cores` fewer (at least one): the pool's workers are pinned, one per core, so a core the prefill's
+    own threads (model, loader, unloader) take from a worker holds that worker's task, and the step, until the
+    scheduler gives it back."""
+    return max(1, p.threads - p.prefill_beside_cores) if beside else p.threads
 
 
 def resolve_prefill_gpus(setting: Optional[int], profile_gpus: int, device_type: str) -> int:

@@ -33,14 +33,15 @@ def hybrid(tiny_dir):
     return model
 
 
-def _engine(model, beside: bool = True, cap: float | None = None, budget: float = BIG, context: int = 96) -> Engine:
+def _engine(model, beside: bool = True, cap: float | None = None, budget: float = BIG, context: int = 96,
+            **plan) -> Engine:
     loader = StreamLoader()
 
     def long_prefill(tokens, throttle=None, cancel=None, **_):
         return loader.streaming(model, CPU, 2, budget, throttle=throttle, cancel=cancel)
 
     plan = Plan(max_batch=3, max_context=context, batch_cap=3, prefill_chunk_tokens=8, slp_cutoff_tokens=CUTOFF,
-                prefill_beside_decode=beside, stream_cap_bytes_s=cap)
+                prefill_beside_decode=beside, stream_cap_bytes_s=cap, **plan)
     return Engine(model, plan, long_prefill=long_prefill)
 
 
@@ -97,6 +98,37 @@ def test_decode_goes_on_while_a_long_prompt_streams_and_tokens_equal_solo(hybrid
     # late short prompt (behind the long one in arrival order) gets its chunks and tokens meanwhile
     assert len(during) >= 5, f"the running request made {len(during)} steps of progress during the prefill"
     assert got[ids[2]][3][0] < first_long, "the prompt behind the streamed one waited for it"
+
+
+def test_decode_leaves_cores_to_a_prompt_streaming_beside_it(hybrid, slow_stream, monkeypatch):
+    """policy.prefill.beside_cores: while the prompt streams, decode's CPU experts run on that many fewer threads
+    (the pool resized between steps, never below one); before and after it, on all of them; tokens unchanged."""
+    from hybrid.engine import engine as engine_module
+    from hybrid.engine.plan import decode_threads
+    from hybrid.kernels import thread_pool
+
+    before = thread_pool.threads()
+    seen = []  # (prompt streaming beside?, the pool's threads) at each decode step
+    real_step = Engine._decode_step
+
+    def step(self, live, changed):
+        seen.append((self._beside is not None, thread_pool.threads()))
+        return real_step(self, live, changed)
+
+    monkeypatch.setattr(engine_module.Engine, "_decode_step", step)
+    short, long_ = (_prompt(10, 1), _greedy(30)), (_prompt(40, 2), _greedy(4))
+    try:
+        got = _run(_engine(hybrid, threads=2, prefill_beside_cores=1), {0: [short], 3: [long_]})
+        after = thread_pool.threads()
+    finally:
+        thread_pool.set_threads(before)
+    assert {(True, 1), (False, 2)} <= set(seen) and set(seen) <= {(True, 1), (False, 2)}, seen
+    assert seen[0] == (False, 2) and after == 2
+    solo = _engine(hybrid).generate([short[0]], short[1])[0].output_ids
+    assert got[min(got)][0] == solo
+    p = Plan(threads=16, prefill_beside_cores=2)
+    assert (decode_threads(p, True), decode_threads(p, False)) == (14, 16)
+    assert decode_threads(Plan(threads=2, prefill_beside_cores=4), True) == 1
 
 
 def test_held_decode_makes_no_progress_while_a_long_prompt_streams(hybrid, slow_stream):
