@@ -197,7 +197,7 @@ class Pipeline:
         if self.device.type != "cuda":
             return counts.tolist()
         self.counts_host.copy_(counts, non_blocking=True)
-        arrived = torch.cuda.Event()
+        arrived = torch.cuda.Event(blocking=True)  # the model thread sleeps while the GPU catches up (events.py)
         arrived.record()
         arrived.synchronize()
         return self.counts_host.tolist()
