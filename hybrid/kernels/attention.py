@@ -63,10 +63,10 @@ def _cuda_lse(q, k, v, causal: bool, scale: float):
 
 
 def _one_batch_stride(t: torch.Tensor) -> torch.Tensor:
-    """A batch of one with its (unused) batch stride set to 1. cuDNN builds an execution plan per shape and strides
-    (~0.1 s each on the H200), and a prompt's length enters the batch stride of every chunk's views: a prompt of a
-    new length would build one per chunk (1.0-1.9 s at 32K tokens in 2048-token chunks), where with the stride fixed
-    only its last, shorter chunk's shapes are new (~0.14 s)."""
+    """A batch of one with its (unused) batch stride set to 1. cuDNN builds an execution plan per shape and strides,
+    and a prompt's length enters the batch stride of every chunk's views: a prompt of a new length would build one
+    per chunk (1.0-1.9 s at 32K tokens in 2048-token chunks on the H200), where with the stride fixed only its last,
+    shorter chunk's shapes are new (0-70 ms more than a second call; docs/perf-notes.md, K6-K7)."""
     return t.as_strided(t.shape, (1,) + t.stride()[1:], t.storage_offset())
 
 
