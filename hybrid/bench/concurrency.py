@@ -12,7 +12,8 @@ and the worst step: a held prefill is one long step) and their ratio; the prompt
 decode tokens/s against the bound measured in the same run — the routed-expert bytes a step of n reads ÷ the read
 roof, and while a prompt streams through the GPU, ÷ the roof less the stream's copy rate (min(cap, pinned H2D
 rate)): the stream reads the same DRAM. `bench.stream_caps` repeats 1P+1D with the prompt beside decode at each cap
-(the trade-off curve: cap → TPOT ratio, TTFT; plotted beside the JSON). `bench.dual_batch` repeats the nD
+(the trade-off curve: cap → TPOT ratio, TTFT; plotted beside the JSON); `bench.beside_cores` and
+`bench.attention_chunks` likewise at each policy.prefill.beside_cores and attention_chunk_tokens. `bench.dual_batch` repeats the nD
 scenarios (n >= 2) with policy.decode.dual_batch flipped, side by side in one run: with the overlap, a step is
 bounded by max(the CPU's expert bytes ÷ the roof, the GPU's time per step), the GPU's time taken from the run
 without overlap as its step time less the CPU experts' time (the graphs' native jobs clock them: GPU runs only).
@@ -156,9 +157,6 @@ def measure(engine, s) -> Records:
     most = max((sc.decodes for sc in scenarios), default=0)
     check(b, scenarios, engine.plan.batch_cap, engine.plan.max_batch, engine.plan.max_context)
     streamed = streams and engine.plan.slp_cutoff_tokens < b.long_prompt_tokens
-    if b.stream_caps and not streamed:
-        print("bench=concurrency: the long prompt is not stream-loaded here (that needs a GPU and a prompt over "
-              "policy.prefill.slp_cutoff_tokens): bench.stream_caps skipped", file=sys.stderr)
     a = engine.model.args
     d_prompts = synthetic_prompts(a, max(most, 1), b.prompt_tokens, s.seed)
     p_prompt = synthetic_prompts(a, 1, b.long_prompt_tokens, s.seed + 1)[0]
@@ -187,23 +185,42 @@ def measure(engine, s) -> Records:
         results[sc.name] = _run_scenario(engine, sc, d_prompts, p_prompt, b.new_tokens)
         records += _records(engine, sc, results, roof, h2d, b.long_prompt_tokens, bytes_per_decode_step)
         _say(sc, results[sc.name])
-    if b.stream_caps and streamed:
-        from hybrid.engine.build import rebuild
-
-        for cap in b.stream_caps:
-            p = replace(s.policy, prefill=replace(s.policy.prefill, beside_decode=True, stream_cap_gbps=cap or None))
-            engine = rebuild(engine, replace(s, policy=p), s.hw)
-            sc = Scenario(f"1P+1D cap {cap or 'none'}", 1, 1)
-            results[sc.name] = r = _run_scenario(engine, sc, d_prompts, p_prompt, b.new_tokens)
-            recs = _records(engine, sc, results, roof, h2d, b.long_prompt_tokens, bytes_per_decode_step)
-            for rec in recs:
-                rec.extra["stream_cap_gbps"] = cap
+    sweeps = [("cap", "stream_cap_gbps", b.stream_caps), ("cores", "beside_cores", b.beside_cores),
+              ("chunks", "attention_chunk_tokens", b.attention_chunks)]
+    for label, knob, values in sweeps:
+        if values and not streamed:
+            print(f"bench=concurrency: the long prompt is not stream-loaded here (that needs a GPU and a prompt over "
+                  f"policy.prefill.slp_cutoff_tokens): bench.{_BENCH_KEY[knob]} skipped", file=sys.stderr)
+            continue
+        for value in values:
+            engine, recs = _again(engine, s, label, knob, value, d_prompts, p_prompt, results, roof, h2d)
             records += recs
-            _say(sc, r)
     if b.dual_batch:
         records += _dual_batch(engine, s, [sc for sc in scenarios if not sc.prompts and sc.decodes >= 2], results,
                                d_prompts, roof, bytes_per_decode_step)
     return Records(records, {"plan": plan})
+
+
+_BENCH_KEY = {"stream_cap_gbps": "stream_caps", "beside_cores": "beside_cores",
+              "attention_chunk_tokens": "attention_chunks"}
+
+
+def _again(engine, s, label: str, knob: str, value, d_prompts, p_prompt, results: dict, roof: float, h2d: float):
+    """1P+1D once more, the prompt beside decode with policy.prefill.<knob> = value (the rest of the policy as the
+    run's; a stream cap of 0 is none): the rebuilt engine and the scenario's records, each tagged with the knob."""
+    from hybrid.bench.slo import bytes_per_decode_step
+    from hybrid.engine.build import rebuild
+
+    setting = (value or None) if knob == "stream_cap_gbps" else value
+    p = replace(s.policy, prefill=replace(s.policy.prefill, beside_decode=True, **{knob: setting}))
+    engine = rebuild(engine, replace(s, policy=p), s.hw)
+    sc = Scenario(f"1P+1D {label} {value if value or knob != 'stream_cap_gbps' else 'none'}", 1, 1)
+    results[sc.name] = r = _run_scenario(engine, sc, d_prompts, p_prompt, s.bench.new_tokens)
+    recs = _records(engine, sc, results, roof, h2d, s.bench.long_prompt_tokens, bytes_per_decode_step)
+    for rec in recs:
+        rec.extra[knob] = value
+    _say(sc, r)
+    return engine, recs
 
 
 def _dual_batch(engine, s, scenarios: list[Scenario], results: dict, d_prompts, roof: float, step_bytes) -> list:

@@ -282,6 +282,8 @@ class BenchConfig:
     long_prompt_tokens: int = 32768  # P's prompt
     stream_caps: List[float] = field(default_factory=list)  # 1P+1D again at each policy.prefill.stream_cap_gbps (0: none)
     dual_batch: bool = False  # concurrency: the nD scenarios (n >= 2) again with policy.decode.dual_batch flipped
+    beside_cores: List[int] = field(default_factory=list)  # 1P+1D again at each policy.prefill.beside_cores
+    attention_chunks: List[int] = field(default_factory=list)  # ... at each policy.prefill.attention_chunk_tokens
 
     def __post_init__(self) -> None:
         if (min([*self.ms, *self.moe_tokens, *self.gemm_rows, *self.group_sweep, *self.batches], default=1) < 1
@@ -298,6 +300,9 @@ class BenchConfig:
             raise ValueError(f"bench.graph_modes takes hostfn and/or segments, got {list(self.graph_modes)}")
         if min(self.stream_caps, default=0) < 0:
             raise ValueError(f"bench.stream_caps are GB/s >= 0 (0: no cap), got {list(self.stream_caps)}")
+        for knob in ("beside_cores", "attention_chunks"):
+            if min(getattr(self, knob), default=0) < 0:
+                raise ValueError(f"bench.{knob} must be >= 0, got {list(getattr(self, knob))}")
         from hybrid.bench.concurrency import parse_scenario  # the one place that reads a scenario's name
 
         for name in self.scenarios:

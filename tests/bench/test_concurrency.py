@@ -37,13 +37,14 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on t
             "output=json", "bench.long_prompt_tokens=160", "bench.prompt_tokens=8",
             "bench.new_tokens=6", "bench.roof_gb=0.05", "policy.prefill.chunk_tokens=16", "policy.kv.max_context=256",
             "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "bench.scenarios=[1D,2D,1P,1P+1D,1P+2D]",
-            "bench.stream_caps=[10]", "bench.dual_batch=true"]
+            "bench.stream_caps=[10]", "bench.beside_cores=[1]", "bench.attention_chunks=[0]", "bench.dual_batch=true"]
     p = subprocess.run([sys.executable, "-m", "hybrid", *args], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     dual = {r["dual_batch"]: r for r in out["records"] if "dual_batch" in r}  # the 2D pair: without and with
     recs = {(r["name"], r.get("scenario")): r for r in out["records"] if "dual_batch" not in r}  # extras flattened
-    assert "bench.stream_caps skipped" in p.stderr  # no stream-loading without a GPU
+    for sweep in ("stream_caps", "beside_cores", "attention_chunks"):
+        assert f"bench.{sweep} skipped" in p.stderr  # no stream-loading without a GPU
     for sc, n in (("1D", 1), ("2D", 2), ("1P+1D", 1), ("1P+2D", 2)):
         tpot, tok = recs[("tpot_s", sc)], recs[("decode_tok_s", sc)]
         assert tpot["m"] == n and 0 < tpot["value"] < 5
@@ -83,3 +84,26 @@ def test_too_many_requests_for_the_batch_cap_fail_clearly(tmp_path, tiny_dir):
                         "bench.long_prompt_tokens=64", "policy.decode.batch_cap=2", "bench.scenarios=[1P+2D]"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode != 0 and "need 3 requests running at once" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("knob, value, label, setting", [
+    ("stream_cap_gbps", 0, "1P+1D cap none", None), ("stream_cap_gbps", 20.0, "1P+1D cap 20.0", 20.0),
+    ("beside_cores", 2, "1P+1D cores 2", 2), ("attention_chunk_tokens", 0, "1P+1D chunks 0", 0)])
+def test_each_sweep_rebuilds_with_its_knob_beside_decode(monkeypatch, knob, value, label, setting):
+    """bench.stream_caps / beside_cores / attention_chunks (GPU runs): 1P+1D once more on an engine rebuilt with that
+    one knob changed and the prompt beside decode, the records tagged with it (the rebuild and the run stubbed)."""
+    from hybrid.bench import concurrency
+    from hybrid.bench.records import Record
+    from hybrid.engine import build
+
+    s = to_settings(compose(["mode=bench", "bench=concurrency", "+hw=cpu_only"]))
+    seen = {}
+    monkeypatch.setattr(build, "rebuild", lambda engine, s2, hw: seen.setdefault("policy", s2.policy) and "rebuilt")
+    monkeypatch.setattr(concurrency, "_run_scenario", lambda engine, sc, *a: seen.setdefault("run", (engine, sc)))
+    monkeypatch.setattr(concurrency, "_records", lambda engine, sc, *a: [Record("tpot_ratio", 1.0, "x")])
+    monkeypatch.setattr(concurrency, "_say", lambda sc, r: None)
+    results = {}
+    engine, recs = concurrency._again("old", s, label.split()[1], knob, value, [], [], results, 1.0, 1.0)
+    assert engine == "rebuilt" and seen["run"] == ("rebuilt", Scenario(label, 1, 1)) and label in results
+    assert seen["policy"].prefill.beside_decode and getattr(seen["policy"].prefill, knob) == setting
+    assert [r.extra[knob] for r in recs] == [value]
