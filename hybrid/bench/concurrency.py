@@ -13,10 +13,11 @@ decode tokens/s against the bound measured in the same run — the routed-expert
 roof, and while a prompt streams through the GPU, ÷ the roof less the stream's copy rate (min(cap, pinned H2D
 rate)): the stream reads the same DRAM. `bench.stream_caps` repeats 1P+1D with the prompt beside decode at each cap
 (the trade-off curve: cap → TPOT ratio, TTFT; plotted beside the JSON); `bench.beside_cores` and
-`bench.attention_chunks` likewise at each policy.prefill.beside_cores and attention_chunk_tokens. `bench.dual_batch` repeats the nD
-scenarios (n >= 2) with policy.decode.dual_batch flipped, side by side in one run: with the overlap, a step is
-bounded by max(the CPU's expert bytes ÷ the roof, the GPU's time per step), the GPU's time taken from the run
-without overlap as its step time less the CPU experts' time (the graphs' native jobs clock them: GPU runs only).
+`bench.attention_chunks` likewise at each policy.prefill.beside_cores and attention_chunk_tokens.
+`bench.dual_batch` repeats the nD scenarios (n >= 2) with policy.decode.dual_batch flipped, side by side in one
+run: with the overlap, a step is bounded by max(the CPU's expert bytes ÷ the roof, the GPU's time per step), the
+GPU's time taken from the run without overlap as its step time less the CPU experts' time (the graphs' native jobs
+clock them: GPU runs only).
 """
 from __future__ import annotations
 
