@@ -186,24 +186,20 @@ def measure(engine, s) -> Records:
         results[sc.name] = _run_scenario(engine, sc, d_prompts, p_prompt, b.new_tokens)
         records += _records(engine, sc, results, roof, h2d, b.long_prompt_tokens, bytes_per_decode_step)
         _say(sc, results[sc.name])
-    sweeps = [("cap", "stream_cap_gbps", b.stream_caps), ("cores", "beside_cores", b.beside_cores),
-              ("chunks", "attention_chunk_tokens", b.attention_chunks)]
-    for label, knob, values in sweeps:
-        if values and not streamed:
+    sweeps = [("cap", "stream_cap_gbps", "stream_caps"), ("cores", "beside_cores", "beside_cores"),
+              ("chunks", "attention_chunk_tokens", "attention_chunks")]  # label, policy.prefill knob, bench key
+    for label, knob, key in sweeps:
+        if getattr(b, key) and not streamed:
             print(f"bench=concurrency: the long prompt is not stream-loaded here (that needs a GPU and a prompt over "
-                  f"policy.prefill.slp_cutoff_tokens): bench.{_BENCH_KEY[knob]} skipped", file=sys.stderr)
+                  f"policy.prefill.slp_cutoff_tokens): bench.{key} skipped", file=sys.stderr)
             continue
-        for value in values:
+        for value in getattr(b, key):
             engine, recs = _again(engine, s, label, knob, value, d_prompts, p_prompt, results, roof, h2d)
             records += recs
     if b.dual_batch:
         records += _dual_batch(engine, s, [sc for sc in scenarios if not sc.prompts and sc.decodes >= 2], results,
                                d_prompts, roof, bytes_per_decode_step)
     return Records(records, {"plan": plan})
-
-
-_BENCH_KEY = {"stream_cap_gbps": "stream_caps", "beside_cores": "beside_cores",
-              "attention_chunk_tokens": "attention_chunks"}
 
 
 def _again(engine, s, label: str, knob: str, value, d_prompts, p_prompt, results: dict, roof: float, h2d: float):
