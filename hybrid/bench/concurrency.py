@@ -13,7 +13,8 @@ decode tokens/s against the bound measured in the same run — the routed-expert
 roof, and while a prompt streams through the GPU, ÷ the roof less the stream's copy rate (min(cap, pinned H2D
 rate)): the stream reads the same DRAM. `bench.stream_caps` repeats 1P+1D with the prompt beside decode at each cap
 (the trade-off curve: cap → TPOT ratio, TTFT; plotted beside the JSON); `bench.beside_cores` and
-`bench.attention_chunks` likewise at each policy.prefill.beside_cores and attention_chunk_tokens.
+`bench.attention_chunks` likewise at each policy.prefill.beside_cores and attention_chunk_tokens; given together,
+at every combination (one rebuild each, a curve per cores/chunks setting in the plot).
 `bench.dual_batch` repeats the nD scenarios (n >= 2) with policy.decode.dual_batch flipped, side by side in one
 run: with the overlap, a step is bounded by max(the CPU's expert bytes ÷ the roof, the GPU's time per step), the
 GPU's time taken from the run without overlap as its step time less the CPU experts' time (the graphs' native jobs
@@ -21,6 +22,7 @@ clock them: GPU runs only).
 """
 from __future__ import annotations
 
+import itertools
 import re
 import statistics
 import sys
@@ -186,36 +188,51 @@ def measure(engine, s) -> Records:
         results[sc.name] = _run_scenario(engine, sc, d_prompts, p_prompt, b.new_tokens)
         records += _records(engine, sc, results, roof, h2d, b.long_prompt_tokens, bytes_per_decode_step)
         _say(sc, results[sc.name])
-    sweeps = [("cap", "stream_cap_gbps", "stream_caps"), ("cores", "beside_cores", "beside_cores"),
-              ("chunks", "attention_chunk_tokens", "attention_chunks")]  # label, policy.prefill knob, bench key
-    for label, knob, key in sweeps:
-        if getattr(b, key) and not streamed:
-            print(f"bench=concurrency: the long prompt is not stream-loaded here (that needs a GPU and a prompt over "
-                  f"policy.prefill.slp_cutoff_tokens): bench.{key} skipped", file=sys.stderr)
-            continue
-        for value in getattr(b, key):
-            engine, recs = _again(engine, s, label, knob, value, d_prompts, p_prompt, results, roof, h2d)
-            records += recs
+    grid = _grid(b)
+    if grid and not streamed:
+        print(f"bench=concurrency: the long prompt is not stream-loaded here (that needs a GPU and a prompt over "
+              f"policy.prefill.slp_cutoff_tokens): bench.{', bench.'.join(k for _, _, k in SWEEPS if getattr(b, k))} "
+              f"skipped", file=sys.stderr)
+        grid = []
+    for point in grid:
+        engine, recs = _again(engine, s, point, d_prompts, p_prompt, results, roof, h2d)
+        records += recs
     if b.dual_batch:
         records += _dual_batch(engine, s, [sc for sc in scenarios if not sc.prompts and sc.decodes >= 2], results,
                                d_prompts, roof, bytes_per_decode_step)
     return Records(records, {"plan": plan})
 
 
-def _again(engine, s, label: str, knob: str, value, d_prompts, p_prompt, results: dict, roof: float, h2d: float):
-    """1P+1D once more, the prompt beside decode with policy.prefill.<knob> = value (the rest of the policy as the
-    run's; a stream cap of 0 is none): the rebuilt engine and the scenario's records, each tagged with the knob."""
+# the sweeps of 1P+1D beside decode: label, policy.prefill knob, bench key
+SWEEPS = (("cap", "stream_cap_gbps", "stream_caps"), ("cores", "beside_cores", "beside_cores"),
+          ("chunks", "attention_chunk_tokens", "attention_chunks"))
+
+
+def _grid(b) -> list[dict]:
+    """Every combination of the sweeps' values (a sweep left empty keeps the policy's value): [{knob: value}]."""
+    swept = [(knob, list(getattr(b, key))) for _, knob, key in SWEEPS if getattr(b, key)]
+    if not swept:
+        return []
+    return [dict(zip([k for k, _ in swept], values)) for values in itertools.product(*[v for _, v in swept])]
+
+
+def _again(engine, s, point: dict, d_prompts, p_prompt, results: dict, roof: float, h2d: float):
+    """1P+1D once more, the prompt beside decode with policy.prefill.<knob> = value for each of `point` (the rest
+    of the policy as the run's; a stream cap of 0 is none): the rebuilt engine and the scenario's records, each
+    tagged with the point's knobs."""
     from hybrid.bench.slo import bytes_per_decode_step
     from hybrid.engine.build import rebuild
 
-    setting = (value or None) if knob == "stream_cap_gbps" else value
-    p = replace(s.policy, prefill=replace(s.policy.prefill, beside_decode=True, **{knob: setting}))
+    settings = {k: (v or None) if k == "stream_cap_gbps" else v for k, v in point.items()}
+    p = replace(s.policy, prefill=replace(s.policy.prefill, beside_decode=True, **settings))
     engine = rebuild(engine, replace(s, policy=p), s.hw)
-    sc = Scenario(f"1P+1D {label} {value if value or knob != 'stream_cap_gbps' else 'none'}", 1, 1)
+    label = " ".join(f"{name} {point[knob] if point[knob] or knob != 'stream_cap_gbps' else 'none'}"
+                     for name, knob, _ in SWEEPS if knob in point)
+    sc = Scenario(f"1P+1D {label}", 1, 1)
     results[sc.name] = r = _run_scenario(engine, sc, d_prompts, p_prompt, s.bench.new_tokens)
     recs = _records(engine, sc, results, roof, h2d, s.bench.long_prompt_tokens, bytes_per_decode_step)
     for rec in recs:
-        rec.extra[knob] = value
+        rec.extra.update(point)
     _say(sc, r)
     return engine, recs
 
@@ -320,33 +337,43 @@ def run(s) -> Records:
 
 
 def plot(records: list[Record], png: Path) -> Optional[Path]:
-    """The trade-off curve of bench.stream_caps: stream cap -> the decode's TPOT ratio and the prompt's TTFT."""
-    pts = {}
+    """The trade-off curve of bench.stream_caps: stream cap -> the decode's TPOT ratio and the prompt's TTFT, a curve
+    per setting of the other sweeps (beside_cores, attention_chunks) when they ran too."""
+    curves: dict = {}
     for r in records:
         cap = r.extra.get("stream_cap_gbps")
         if cap is not None and r.name in ("tpot_ratio", "ttft_s"):
-            pts.setdefault(cap, {})[r.name] = r.value
-    pts = {c: v for c, v in pts.items() if len(v) == 2}
-    if not pts:
+            other = tuple((name, r.extra[knob]) for name, knob, _ in SWEEPS[1:] if knob in r.extra)
+            curves.setdefault(other, {}).setdefault(cap, {})[r.name] = r.value
+    curves = {o: {c: v for c, v in pts.items() if len(v) == 2} for o, pts in curves.items()}
+    curves = {o: pts for o, pts in curves.items() if pts}
+    if not curves:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    caps = sorted(pts, key=lambda c: c or float("inf"))
-    labels = [f"{c:g}" if c else "none" for c in caps]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(labels, [pts[c]["tpot_ratio"] for c in caps], marker="o", color="C0", label="decode TPOT during ÷ before")
-    ax.axhline(1.15, linestyle="--", color="C0", alpha=0.5, label="1.15x")
+    caps = sorted({c for pts in curves.values() for c in pts}, key=lambda c: c or float("inf"))
+    x = {c: i for i, c in enumerate(caps)}
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, (other, pts) in enumerate(sorted(curves.items())):
+        cs = sorted(pts, key=lambda c: c or float("inf"))
+        name = ", ".join(f"{n} {v}" for n, v in other) or "the policy's"
+        ax.plot([x[c] for c in cs], [pts[c]["tpot_ratio"] for c in cs], marker="o", color=f"C{i}", label=name)
+        ax2.plot([x[c] for c in cs], [pts[c]["ttft_s"] for c in cs], marker="s", color=f"C{i}", label=name)
+    ax.axhline(1.15, linestyle="--", color="gray", alpha=0.6, label="1.15x")
     # log: an uncapped stream can hold decode 20x, a capped one 1.1-1.3x; both readable on one axis
     ax.set_yscale("log")
-    ax.set(xlabel="stream cap while decoding (GB/s)", ylabel="TPOT ratio (log)", title="1P+1D: the stream's cap")
-    ax2 = ax.twinx()
-    ax2.plot(labels, [pts[c]["ttft_s"] for c in caps], marker="s", color="C1", label="long prompt's TTFT")
-    ax2.set_ylabel("TTFT (s)")
-    lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
-    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="upper center")
+    for axis_ticks in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+        axis_ticks(matplotlib.ticker.FormatStrFormatter("%.2f"))
+    for a in (ax, ax2):
+        a.set_xticks(range(len(caps)), [f"{c:g}" if c else "none" for c in caps])
+        a.set_xlabel("stream cap while decoding (GB/s)")
+        a.legend(fontsize=8)
+    ax.set(ylabel="decode TPOT during ÷ before (log)", title="1P+1D: decode beside the prefill")
+    ax2.set(ylabel="TTFT (s)", title="1P+1D: the long prompt's TTFT")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)

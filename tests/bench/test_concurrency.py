@@ -43,8 +43,8 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on t
     out = json.loads(p.stdout.strip().splitlines()[-1])
     dual = {r["dual_batch"]: r for r in out["records"] if "dual_batch" in r}  # the 2D pair: without and with
     recs = {(r["name"], r.get("scenario")): r for r in out["records"] if "dual_batch" not in r}  # extras flattened
-    for sweep in ("stream_caps", "beside_cores", "attention_chunks"):
-        assert f"bench.{sweep} skipped" in p.stderr  # no stream-loading without a GPU
+    # no stream-loading without a GPU: the sweeps are skipped, said once
+    assert "bench.stream_caps, bench.beside_cores, bench.attention_chunks skipped" in p.stderr
     for sc, n in (("1D", 1), ("2D", 2), ("1P+1D", 1), ("1P+2D", 2)):
         tpot, tok = recs[("tpot_s", sc)], recs[("decode_tok_s", sc)]
         assert tpot["m"] == n and 0 < tpot["value"] < 5
@@ -86,12 +86,17 @@ def test_too_many_requests_for_the_batch_cap_fail_clearly(tmp_path, tiny_dir):
     assert p.returncode != 0 and "need 3 requests running at once" in p.stderr and "Traceback" not in p.stderr
 
 
-@pytest.mark.parametrize("knob, value, label, setting", [
-    ("stream_cap_gbps", 0, "1P+1D cap none", None), ("stream_cap_gbps", 20.0, "1P+1D cap 20.0", 20.0),
-    ("beside_cores", 2, "1P+1D cores 2", 2), ("attention_chunk_tokens", 0, "1P+1D chunks 0", 0)])
-def test_each_sweep_rebuilds_with_its_knob_beside_decode(monkeypatch, knob, value, label, setting):
-    """bench.stream_caps / beside_cores / attention_chunks (GPU runs): 1P+1D once more on an engine rebuilt with that
-    one knob changed and the prompt beside decode, the records tagged with it (the rebuild and the run stubbed)."""
+@pytest.mark.parametrize("point, label, settings", [
+    ({"stream_cap_gbps": 0}, "1P+1D cap none", {"stream_cap_gbps": None}),
+    ({"stream_cap_gbps": 20.0}, "1P+1D cap 20.0", {"stream_cap_gbps": 20.0}),
+    ({"beside_cores": 2}, "1P+1D cores 2", {"beside_cores": 2}),
+    ({"attention_chunk_tokens": 0}, "1P+1D chunks 0", {"attention_chunk_tokens": 0}),
+    ({"stream_cap_gbps": 10.0, "beside_cores": 1}, "1P+1D cap 10.0 cores 1",
+     {"stream_cap_gbps": 10.0, "beside_cores": 1})])
+def test_each_sweep_point_rebuilds_with_its_knobs_beside_decode(monkeypatch, point, label, settings):
+    """bench.stream_caps / beside_cores / attention_chunks (GPU runs): 1P+1D once more on an engine rebuilt with the
+    point's knobs changed and the prompt beside decode, the records tagged with them (the rebuild and the run
+    stubbed)."""
     from hybrid.bench import concurrency
     from hybrid.bench.records import Record
     from hybrid.engine import build
@@ -103,7 +108,30 @@ def test_each_sweep_rebuilds_with_its_knob_beside_decode(monkeypatch, knob, valu
     monkeypatch.setattr(concurrency, "_records", lambda engine, sc, *a: [Record("tpot_ratio", 1.0, "x")])
     monkeypatch.setattr(concurrency, "_say", lambda sc, r: None)
     results = {}
-    engine, recs = concurrency._again("old", s, label.split()[1], knob, value, [], [], results, 1.0, 1.0)
+    engine, recs = concurrency._again("old", s, point, [], [], results, 1.0, 1.0)
     assert engine == "rebuilt" and seen["run"] == ("rebuilt", Scenario(label, 1, 1)) and label in results
-    assert seen["policy"].prefill.beside_decode and getattr(seen["policy"].prefill, knob) == setting
-    assert [r.extra[knob] for r in recs] == [value]
+    assert seen["policy"].prefill.beside_decode
+    assert {k: getattr(seen["policy"].prefill, k) for k in settings} == settings
+    assert recs[0].extra == point
+
+
+def test_sweeps_given_together_run_every_combination():
+    from hybrid.bench import concurrency
+
+    b = to_settings(compose(["mode=bench", "bench=concurrency", "+hw=cpu_only", "bench.stream_caps=[0,20]",
+                             "bench.beside_cores=[0,1,2]"])).bench
+    grid = concurrency._grid(b)
+    assert len(grid) == 6 and {(g["stream_cap_gbps"], g["beside_cores"]) for g in grid} == \
+        {(c, n) for c in (0, 20) for n in (0, 1, 2)}
+    assert all("attention_chunk_tokens" not in g for g in grid), "an empty sweep keeps the policy's value"
+    assert concurrency._grid(to_settings(compose(["mode=bench", "bench=concurrency", "+hw=cpu_only"])).bench) == []
+
+
+def test_plot_draws_a_curve_per_other_setting(tmp_path):
+    from hybrid.bench import concurrency
+    from hybrid.bench.records import Record
+
+    recs = [Record(name, v, "x", extra={"stream_cap_gbps": cap, "beside_cores": cores})
+            for cap in (0, 20, 10) for cores in (0, 1) for name, v in (("tpot_ratio", 1.1 + cores), ("ttft_s", 2.0))]
+    assert concurrency.plot(recs, tmp_path / "c.png") == tmp_path / "c.png" and (tmp_path / "c.png").stat().st_size
+    assert concurrency.plot([Record("tpot_ratio", 1.0, "x")], tmp_path / "none.png") is None
