@@ -13,8 +13,9 @@ decode tokens/s against the bound measured in the same run — the routed-expert
 roof, and while a prompt streams through the GPU, ÷ the roof less the stream's copy rate (min(cap, pinned H2D
 rate)): the stream reads the same DRAM. `bench.stream_caps` repeats 1P+1D with the prompt beside decode at each cap
 (the trade-off curve: cap → TPOT ratio, TTFT; plotted beside the JSON); `bench.beside_cores` and
-`bench.attention_chunks` likewise at each policy.prefill.beside_cores and attention_chunk_tokens; given together,
-at every combination (one rebuild each, a curve per cores/chunks setting in the plot).
+`bench.attention_chunks`, `bench.stream_queues` likewise at each policy.prefill.beside_cores,
+attention_chunk_tokens and stream_queue_mb; given together, at every combination (one rebuild each, a curve per
+setting of the others in the plot).
 `bench.dual_batch` repeats the nD scenarios (n >= 2) with policy.decode.dual_batch flipped, side by side in one
 run: with the overlap, a step is bounded by max(the CPU's expert bytes ÷ the roof, the GPU's time per step), the
 GPU's time taken from the run without overlap as its step time less the CPU experts' time (the graphs' native jobs
@@ -205,7 +206,7 @@ def measure(engine, s) -> Records:
 
 # the sweeps of 1P+1D beside decode: label, policy.prefill knob, bench key
 SWEEPS = (("cap", "stream_cap_gbps", "stream_caps"), ("cores", "beside_cores", "beside_cores"),
-          ("chunks", "attention_chunk_tokens", "attention_chunks"))
+          ("chunks", "attention_chunk_tokens", "attention_chunks"), ("queue", "stream_queue_mb", "stream_queues"))
 
 
 def _grid(b) -> list[dict]:

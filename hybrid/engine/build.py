@@ -65,7 +65,7 @@ def configure_cpu(threads: int, tile_tokens: int, amx_tokens: int) -> None:
 REBUILDABLE = frozenset({"cpu.threads", "cpu.gemm_tile_tokens", "cpu.amx_min_tokens", "prefill.chunk_tokens",
                          "prefill.slp_cutoff_tokens", "prefill.ring_len", "prefill.slp_chunk_tokens",
                          "prefill.slp_group_experts", "prefill.beside_decode", "prefill.stream_cap_gbps",
-                         "prefill.attention_chunk_tokens", "prefill.beside_cores",
+                         "prefill.attention_chunk_tokens", "prefill.beside_cores", "prefill.stream_queue_mb",
                          "decode.batch_cap", "decode.cuda_graphs", "decode.dual_batch", "gpu.experts_per_layer"})
 
 
@@ -249,6 +249,7 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
                 prefill_gpus=placed.prefill_gpus, prefill_ep=p.prefill.ep,
                 prefill_beside_decode=p.prefill.beside_decode, prefill_beside_cores=p.prefill.beside_cores,
                 stream_cap_bytes_s=p.prefill.stream_cap_gbps * 1e9 if p.prefill.stream_cap_gbps else None,
+                stream_queue_bytes=p.prefill.stream_queue_mb << 20 if p.prefill.stream_queue_mb else None,
                 gpu_weights=p.gpu.weights, gpu_fp8_gemm=p.gpu.fp8_gemm, gpu_fp8_dequant_rows=p.gpu.fp8_dequant_rows,
                 cuda_graphs=p.decode.cuda_graphs if graphs else "off", dual_batch=p.decode.dual_batch,
                 gpu_experts_per_layer=p.gpu.experts_per_layer, gpu_pad_rows=placed.gemm.pad_rows, ledger=ledger)

@@ -98,7 +98,7 @@ class Engine:
         self._aborts: set[int] = set()
         self._requests: dict[int, Request] = {}
         self._samplers: dict[int, Sampler] = {}
-        self._throttle = Throttle()  # paces a stream-loading prefill beside decode (plan.stream_cap_bytes_s)
+        self._throttle = Throttle()  # limits a stream-loading prefill beside decode (plan.stream_cap_bytes_s, ...)
         self._beside: Optional[_Beside] = None  # the stream-loading prefill running beside decode, if any
         # the steps' GPU work, at the device's highest priority: ahead of a prefill streaming beside decode
         self.stream = decode_stream(self.device)
@@ -179,7 +179,10 @@ class Engine:
         self._take_inbox(changed)
         plan = self.scheduler.plan()
         # a stream-loading prefill beside decode is paced while requests decode, at full speed when none does
-        self._throttle.set_rate(self.plan.stream_cap_bytes_s if plan.decode else None)
+        if plan.decode:
+            self._throttle.set_limits(self.plan.stream_cap_bytes_s, self.plan.stream_queue_bytes)
+        else:
+            self._throttle.set_limits(None, None)
         self._size_pool()
         for chunk in plan.prefill:
             if chunk.beside and self._beside_applies(chunk):

@@ -40,6 +40,7 @@ class Plan:
     prefill_beside_decode: bool = False  # a stream-loaded prompt on its own thread while the others decode
     prefill_beside_cores: int = 0  # meanwhile decode's CPU experts run on this many fewer threads
     stream_cap_bytes_s: Optional[float] = None  # that stream's copy rate while requests decode (None: no cap)
+    stream_queue_bytes: Optional[int] = None  # ... and its copies queued on the GPU at a time (None: no bound)
     # GPU side
     gpu_weights: str = "dense"
     gpu_fp8_gemm: str = "triton"
@@ -80,6 +81,8 @@ class Plan:
             beside = "alone in its step (decode held)"
             if p.prefill_beside_decode:
                 cap = "uncapped" if p.stream_cap_bytes_s is None else f"{p.stream_cap_bytes_s / 1e9:g} GB/s"
+                if p.stream_queue_bytes:
+                    cap += f", at most {p.stream_queue_bytes >> 20} MB of copies queued"
                 cores = (f", decode's experts on {decode_threads(p, True)} threads meanwhile"
                          if p.prefill_beside_cores else "")
                 beside = f"beside decode ({cap} while requests decode{cores})"

@@ -19,6 +19,7 @@ Legend: T tokens, D hidden, K experts per token.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import sys
@@ -53,8 +54,8 @@ class HostExpertLayer(Protocol):
 # The loader and unloader need the GIL for a moment per expert while the model thread launches kernels; at
 # Python's default 5 ms switch interval a hand-off can wait longer than an expert's copy takes (~0.8 ms).
 SWITCH_INTERVAL_S = 2e-4
-# A paced copy (a prefill beside decode, policy.prefill.stream_cap_gbps) goes in pieces of this size: 8 MB take
-# ~0.15 ms at 55 GB/s, the longest decode's host<->device copies can wait behind one.
+# A limited copy (a prefill beside decode while requests decode: policy.prefill.stream_cap_gbps, stream_queue_mb)
+# goes in pieces of this size: 8 MB take ~0.15 ms at 55 GB/s.
 PACED_COPY_BYTES = 8 << 20
 # policy.prefill.slp_group_experts=null where a grouped GEMM applies. H200, 1 dense + 1 MoE layer, 32K tokens: 1
 # expert at a time 0.414 s, groups of 16 0.347 s, 32 0.352 s, 64 0.366 s (docs/perf-notes.md).
@@ -82,7 +83,10 @@ class Pipeline:
         # the model thread in the expert loops (after each layer's counts arrived): wall seconds, and its own CPU
         # seconds — near the wall time when the host's calls bound the loop; far below it when it waits (copies, GIL)
         self.expert_loop_s = self.expert_loop_cpu_s = 0.0
-        self.throttled_s = 0.0  # the loader held back by the throttle (prefill beside decode)
+        self.throttled_s = 0.0  # the loader held back by the throttle's rate (prefill beside decode)
+        self.queue_wait_s = 0.0  # ... and waiting for room in the copy queue (its queue bound)
+        self._queued: "collections.deque" = collections.deque()  # the loader's copies in flight: (bytes, PairedEvent)
+        self._queued_bytes = 0
         self._group_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.n_experts = len(layers[0].host_experts)
         self.block = layers[0].host_experts[0].gate_proj.block
@@ -127,14 +131,17 @@ class Pipeline:
                     if layer.arena is not None and layer.slot_bytes == self.ring.slot_bytes:  # one copy
                         src = layer.arena[e * layer.slot_bytes:(e + 1) * layer.slot_bytes]
                         dst = self.ring.slot_memory(slot)
-                        # paced (beside decode, a rate set): in pieces, each waiting its turn, so that decode's own
-                        # small copies never queue behind a whole expert's (44 MB: 0.8 ms at 55 GB/s)
-                        paced = self.throttle is not None and self.throttle.rate is not None
-                        piece = PACED_COPY_BYTES if paced else layer.slot_bytes
+                        # limited (beside decode, while requests decode): in pieces, each waiting its turn and for
+                        # room in the copy queue, so that decode's own small copies never queue behind a whole
+                        # expert's (44 MB: 0.8 ms at 55 GB/s), nor behind a ring's worth of them
+                        limited = self.throttle is not None and self.throttle.limited
+                        piece = PACED_COPY_BYTES if limited else layer.slot_bytes
                         for at in range(0, layer.slot_bytes, piece):
                             end = min(layer.slot_bytes, at + piece)
                             self._pace(end - at)
+                            self._room(end - at)
                             dst[at:end].copy_(src[at:end], non_blocking=True)
+                            self._queue(end - at)
                     else:
                         self._pace(self.ring.slot_bytes)
                         for name, src in expert_tensors(expert):
@@ -146,6 +153,32 @@ class Pipeline:
     def _pace(self, nbytes: int) -> None:
         if self.throttle is not None:
             self.throttled_s += self.throttle.wait(nbytes, self.stop)
+
+    def _bound(self) -> Optional[int]:
+        return None if self.throttle is None else self.throttle.queued_bytes
+
+    def _room(self, nbytes: int) -> None:
+        """Waits (asleep) for the oldest queued copies to be done until `nbytes` more fit the throttle's queue bound
+        (one copy goes whatever its size when none is queued); with no bound, forgets the queue."""
+        bound = self._bound()
+        if bound is None:
+            self._queued.clear()
+            self._queued_bytes = 0
+            return
+        t0 = time.perf_counter()
+        while self._queued and self._queued_bytes + nbytes > bound:
+            n, done = self._queued.popleft()
+            done.synchronize()
+            self._queued_bytes -= n
+        self.queue_wait_s += time.perf_counter() - t0
+
+    def _queue(self, nbytes: int) -> None:
+        """Notes a copy just queued on the loader's stream (when a queue bound is kept)."""
+        if self._bound() is not None:
+            done = PairedEvent(self.device)  # on the CPU stand-in the copy is done once made
+            done.record()
+            self._queued.append((nbytes, done))
+            self._queued_bytes += nbytes
 
     def _unload(self) -> None:
         with self._on(self.streams[1]):
@@ -287,7 +320,7 @@ class Pipeline:
         """What the prefill's expert loops measured: wall and model-thread CPU seconds, experts per step."""
         return {"expert_loop_s": self.expert_loop_s, "expert_loop_cpu_s": self.expert_loop_cpu_s,
                 "group_sizes": list(self.group_sizes),
-                "throttled_s": self.throttled_s}
+                "throttled_s": self.throttled_s, "queue_wait_s": self.queue_wait_s}
 
 
 class StreamLoader:

@@ -2,8 +2,12 @@
 CPU experts their share of the host's memory bandwidth (the copies read the same DRAM the CPU experts read).
 
     throttle = Throttle()
-    throttle.set_rate(20e9)        # from any thread: at most 20 GB/s from the next copy on; None = unpaced
-    throttle.wait(slot_bytes)      # the loader, before each copy: sleeps as long as the rate asks
+    throttle.set_limits(20e9, 16 << 20)  # from any thread: at most 20 GB/s from the next copy on, and at most 16 MB
+                                         # of copies queued on the device at a time; None = no limit
+    throttle.wait(slot_bytes)            # the loader, before each copy: sleeps as long as the rate asks
+
+The queue bound is the loader's to keep (hybrid/prefill/slp.py): decode's own small host->device copies go through
+the same copy engine as the stream's, behind whatever the stream has queued.
 """
 from __future__ import annotations
 
@@ -13,25 +17,39 @@ from typing import Callable, Optional
 
 
 class Throttle:
-    """At most `rate` bytes per second over the copies announced to `wait` (None: no pacing). Each copy may start
-    once the ones before it would have taken their bytes at that rate; a copy's own time is not waited for here."""
+    """At most `rate` bytes per second over the copies announced to `wait` (None: no pacing), and at most
+    `queued_bytes` of copies queued on the device at a time (None: no bound). Each copy may start once the ones
+    before it would have taken their bytes at that rate; a copy's own time is not waited for here."""
 
-    def __init__(self, rate: Optional[float] = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, rate: Optional[float] = None, queued_bytes: Optional[int] = None,
+                 clock: Callable[[], float] = time.monotonic):
         self._lock = threading.Lock()
         self._clock = clock
         self._rate: Optional[float] = None
+        self._queued: Optional[int] = None
         self._next = 0.0  # when the next copy may start
-        self.set_rate(rate)
+        self.set_limits(rate, queued_bytes)
 
     @property
     def rate(self) -> Optional[float]:
         return self._rate
 
-    def set_rate(self, bytes_per_s: Optional[float]) -> None:
+    @property
+    def queued_bytes(self) -> Optional[int]:
+        return self._queued
+
+    @property
+    def limited(self) -> bool:
+        """Whether either limit is set (the loader then copies in pieces)."""
+        return self._rate is not None or self._queued is not None
+
+    def set_limits(self, bytes_per_s: Optional[float], queued_bytes: Optional[int] = None) -> None:
         if bytes_per_s is not None and not bytes_per_s > 0:
             raise ValueError(f"a copy rate must be > 0 bytes/s (or None for no pacing), got {bytes_per_s}")
+        if queued_bytes is not None and not queued_bytes > 0:
+            raise ValueError(f"a queue bound must be > 0 bytes (or None for none), got {queued_bytes}")
         with self._lock:
-            self._rate = bytes_per_s
+            self._rate, self._queued = bytes_per_s, queued_bytes
 
     def delay(self, nbytes: int) -> float:
         """Seconds the copy of `nbytes` announced now has to wait (its slot in the pace taken)."""

@@ -37,14 +37,16 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on t
             "output=json", "bench.long_prompt_tokens=160", "bench.prompt_tokens=8",
             "bench.new_tokens=6", "bench.roof_gb=0.05", "policy.prefill.chunk_tokens=16", "policy.kv.max_context=256",
             "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "bench.scenarios=[1D,2D,1P,1P+1D,1P+2D]",
-            "bench.stream_caps=[10]", "bench.beside_cores=[1]", "bench.attention_chunks=[0]", "bench.dual_batch=true"]
+            "bench.stream_caps=[10]", "bench.beside_cores=[1]", "bench.attention_chunks=[0]", "bench.stream_queues=[0]",
+            "bench.dual_batch=true"]
     p = subprocess.run([sys.executable, "-m", "hybrid", *args], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     dual = {r["dual_batch"]: r for r in out["records"] if "dual_batch" in r}  # the 2D pair: without and with
     recs = {(r["name"], r.get("scenario")): r for r in out["records"] if "dual_batch" not in r}  # extras flattened
     # no stream-loading without a GPU: the sweeps are skipped, said once
-    assert "bench.stream_caps, bench.beside_cores, bench.attention_chunks skipped" in p.stderr
+    assert ("bench.stream_caps, bench.beside_cores, bench.attention_chunks, bench.stream_queues skipped"
+            in p.stderr)
     for sc, n in (("1D", 1), ("2D", 2), ("1P+1D", 1), ("1P+2D", 2)):
         tpot, tok = recs[("tpot_s", sc)], recs[("decode_tok_s", sc)]
         assert tpot["m"] == n and 0 < tpot["value"] < 5

@@ -3,6 +3,8 @@ the running requests keep decoding while it streams, every request's greedy toke
 or a failure of the streamed prompt touches nothing else, and the stream is paced while requests decode."""
 from __future__ import annotations
 
+import collections
+
 import threading
 import time
 
@@ -220,29 +222,65 @@ def pinned(tiny_dir):
     return model
 
 
-def test_a_paced_stream_copies_each_expert_in_pieces_and_keeps_tokens(pinned, monkeypatch):
-    """Beside decode with a cap, an expert's one copy goes in pieces of PACED_COPY_BYTES, each announced to the
-    throttle (decode's small copies wait behind one piece at most); at full speed, one copy per expert."""
+@pytest.mark.parametrize("cap, queued", [(BIG, None), (None, 2), (BIG, 1)])
+def test_a_limited_stream_copies_each_expert_in_pieces_and_keeps_tokens(pinned, monkeypatch, cap, queued):
+    """Beside decode with a cap or a queue bound (`queued` pieces), an expert's one copy goes in pieces of
+    PACED_COPY_BYTES, each announced to the throttle and queued only when the queue has room for it (decode's small
+    copies wait behind little); at full speed, one copy per expert."""
     slot = slot_bytes(pinned)
     piece = slot // 3 + 64
     monkeypatch.setattr(slp, "PACED_COPY_BYTES", piece)
-    waits, real_wait = [], Throttle.wait
+    waits, real_wait, most, real_queue = [], Throttle.wait, [0], slp.Pipeline._queue
 
     def wait(self, nbytes, stop=None):
-        waits.append((nbytes, self.rate is not None))
+        waits.append((nbytes, self.limited))
         return real_wait(self, nbytes, stop)
 
+    def queue(self, nbytes):
+        real_queue(self, nbytes)
+        most[0] = max(most[0], self._queued_bytes)
+
     monkeypatch.setattr(Throttle, "wait", wait)
+    monkeypatch.setattr(slp.Pipeline, "_queue", queue)
+    bound = None if queued is None else queued * piece
     short, long_ = (_prompt(10, 1), _greedy(60)), (_prompt(40, 2), _greedy(4))
-    got = _run(_engine(pinned, cap=BIG), {0: [short], 2: [long_]})
-    paced = [n for n, capped in waits if capped]
+    got = _run(_engine(pinned, cap=cap, stream_queue_bytes=bound), {0: [short], 2: [long_]})
+    limited = [n for n, on in waits if on]
     experts = sum(len(layer.host_experts) for layer in cpu_experts(pinned))  # each streamed once
-    assert sorted(set(paced)) == sorted({piece, slot - 2 * piece}) and len(paced) == 3 * experts, waits[:8]
+    assert sorted(set(limited)) == sorted({piece, slot - 2 * piece}) and len(limited) == 3 * experts, waits[:8]
+    if bound is not None:  # the queue kept (on the CPU stand-in a copy is done once made: the logic, not the wait)
+        assert 0 < most[0] <= bound
+    else:
+        assert most[0] == 0
     for rid, (prompt, params) in zip(sorted(got), (short, long_)):
         assert got[rid][0] == _engine(pinned).generate([prompt], params)[0].output_ids
     waits.clear()
-    _engine(pinned, cap=BIG).generate([long_[0]], long_[1])  # nothing decodes: unpaced, one copy each
-    assert [n for n, _ in waits] == [slot] * experts and not any(capped for _, capped in waits)
+    _engine(pinned, cap=cap, stream_queue_bytes=bound).generate([long_[0]], long_[1])  # none decodes: whole copies
+    assert [n for n, _ in waits] == [slot] * experts and not any(on for _, on in waits)
+
+
+def test_the_queue_bound_waits_for_the_oldest_copies():
+    """_room: the oldest queued copies are waited for until the next fits (one goes whatever its size when none
+    is queued); with no bound the queue is forgotten."""
+    class Done:
+        def __init__(self):
+            self.waited = False
+
+        def synchronize(self):
+            self.waited = True
+
+    pipe = slp.Pipeline.__new__(slp.Pipeline)
+    pipe.throttle, pipe.queue_wait_s = Throttle(None, 10), 0.0
+    first, second = Done(), Done()
+    pipe._queued, pipe._queued_bytes = collections.deque([(6, first), (4, second)]), 10
+    pipe._room(3)
+    assert first.waited and not second.waited and pipe._queued_bytes == 4
+    pipe._room(20)  # larger than the bound: it waits for all, then goes
+    assert second.waited and not pipe._queued and pipe._queued_bytes == 0
+    pipe._queued, pipe._queued_bytes = collections.deque([(6, Done())]), 6
+    pipe.throttle.set_limits(None, None)
+    pipe._room(100)
+    assert not pipe._queued and pipe._queued_bytes == 0
 
 
 def test_throttle_paces_announced_copies():
@@ -251,13 +289,13 @@ def test_throttle_paces_announced_copies():
     assert [t.delay(100_000_000) for _ in range(3)] == pytest.approx([0.0, 0.1, 0.2])
     now[0] = 1.0  # idle a while: no credit is banked beyond the pace
     assert t.delay(100_000_000) == 0.0 and t.delay(100_000_000) == pytest.approx(0.1)
-    t.set_rate(None)
+    t.set_limits(None)
     assert t.delay(10**12) == 0.0 and t.rate is None
     with pytest.raises(ValueError, match="> 0"):
-        t.set_rate(0)
+        t.set_limits(0)
     stop = threading.Event()
     stop.set()
-    t.set_rate(1.0)
+    t.set_limits(1.0)
     t0 = time.monotonic()
     assert t.wait(10, stop) == 0.0 and t.wait(10, stop) == pytest.approx(10.0)  # the second would wait 10 s...
     assert time.monotonic() - t0 < 1  # ...but the stop ends it
