@@ -114,17 +114,21 @@ def _run_scenario(engine, sc: Scenario, d_prompts, p_prompt, new_tokens: int) ->
         drv.steps(new_tokens)
         t1, cpu1 = time.perf_counter(), _cpu_experts_s(engine)
         out["before"] = [g for r in ds for g in _intervals(drv.times[r], t0, t1)]
-        if cpu0 is not None and not sc.prompts:  # the GPU's share of a step: what the CPU experts leave of it
-            out["gpu_s"] = ((t1 - t0) - (cpu1 - cpu0)) / new_tokens
+        if cpu0 is not None:  # the CPU experts' share of a step, and the GPU's: what they leave of it
+            out["cpu_s"] = (cpu1 - cpu0) / new_tokens
+            if not sc.prompts:
+                out["gpu_s"] = ((t1 - t0) - (cpu1 - cpu0)) / new_tokens
         out["before_tok_s"] = sum(t0 < t <= t1 for r in ds for t in drv.times[r]) / (t1 - t0)
     if sc.prompts:
         p = drv.add(p_prompt, 1)
-        t_arrive = time.perf_counter()
+        t_arrive, cpu0, steps0 = time.perf_counter(), _cpu_experts_s(engine), len(drv.times[ds[0]]) if ds else 0
         drv.until(lambda: bool(drv.times[p]), "the long prompt's first token")
-        t_first = drv.times[p][0]
+        t_first, cpu1 = drv.times[p][0], _cpu_experts_s(engine)
         out["ttft"] = t_first - t_arrive
         if ds:
             out["during"] = [g for r in ds for g in _intervals(drv.times[r], t_arrive, t_first)]
+            if cpu0 is not None and len(drv.times[ds[0]]) > steps0:  # decode's CPU experts per step meanwhile
+                out["during_cpu_s"] = (cpu1 - cpu0) / (len(drv.times[ds[0]]) - steps0)
             out["during_tok_s"] = sum(t_arrive < t <= t_first for r in ds for t in drv.times[r]) / out["ttft"]
     drv.drain(ds)
     return out
@@ -283,6 +287,8 @@ def _records(engine, sc: Scenario, results: dict, roof: float, h2d: float, promp
     if "before" in r and r["before"]:
         tpot = statistics.median(r["before"])
         extra = dict(common)
+        if "cpu_s" in r:
+            extra["cpu_experts_step_s"] = r["cpu_s"]
         solo = results.get("1D", {}).get("before")
         if solo and n > 1:
             extra["vs_1D"] = tpot / statistics.median(solo)
@@ -299,8 +305,10 @@ def _records(engine, sc: Scenario, results: dict, roof: float, h2d: float, promp
         out.append(Record("ttft_s", r["ttft"], "s", m=n, extra=extra))
     if r.get("during"):
         during, before = statistics.median(r["during"]), statistics.median(r["before"])
-        out.append(Record("tpot_during_prefill_s", during, "s", m=n,
-                          extra={**common, "worst_step_s": max(r["during"]), "steps": len(r["during"])}))
+        extra = {**common, "worst_step_s": max(r["during"]), "steps": len(r["during"])}
+        if "during_cpu_s" in r:  # the CPU experts' time of a step meanwhile (mean; the tpot_s record's before)
+            extra["cpu_experts_step_s"] = r["during_cpu_s"]
+        out.append(Record("tpot_during_prefill_s", during, "s", m=n, extra=extra))
         ratio = Record("tpot_ratio", during / before, "x", m=n,
                        extra={**common, "worst_step_ratio": max(r["during"]) / before})
         solo = results.get(f"{n}D", {}).get("before")  # the same decodes alone, in their own scenario
