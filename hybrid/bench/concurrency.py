@@ -13,8 +13,8 @@ decode tokens/s against the bound measured in the same run — the routed-expert
 roof, and while a prompt streams through the GPU, ÷ the roof less the stream's copy rate (min(cap, pinned H2D
 rate)): the stream reads the same DRAM. `bench.stream_caps` repeats 1P+1D with the prompt beside decode at each cap
 (the trade-off curve: cap → TPOT ratio, TTFT; plotted beside the JSON); `bench.beside_cores` and
-`bench.attention_chunks`, `bench.stream_queues` likewise at each policy.prefill.beside_cores,
-attention_chunk_tokens and stream_queue_mb; given together, at every combination (one rebuild each, a curve per
+`bench.attention_chunks`, `bench.stream_queues`, `bench.mapped_outputs` likewise at each policy.prefill.beside_cores,
+attention_chunk_tokens, stream_queue_mb and policy.decode.mapped_outputs; given together, at every combination (one rebuild each, a curve per
 setting of the others in the plot).
 `bench.dual_batch` repeats the nD scenarios (n >= 2) with policy.decode.dual_batch flipped, side by side in one
 run: with the overlap, a step is bounded by max(the CPU's expert bytes ÷ the roof, the GPU's time per step), the
@@ -208,9 +208,10 @@ def measure(engine, s) -> Records:
     return Records(records, {"plan": plan})
 
 
-# the sweeps of 1P+1D beside decode: label, policy.prefill knob, bench key
+# the sweeps of 1P+1D beside decode: label, policy knob (policy.prefill's unless named group.knob), bench key
 SWEEPS = (("cap", "stream_cap_gbps", "stream_caps"), ("cores", "beside_cores", "beside_cores"),
-          ("chunks", "attention_chunk_tokens", "attention_chunks"), ("queue", "stream_queue_mb", "stream_queues"))
+          ("chunks", "attention_chunk_tokens", "attention_chunks"), ("queue", "stream_queue_mb", "stream_queues"),
+          ("mapped", "decode.mapped_outputs", "mapped_outputs"))
 
 
 def _grid(b) -> list[dict]:
@@ -228,8 +229,11 @@ def _again(engine, s, point: dict, d_prompts, p_prompt, results: dict, roof: flo
     from hybrid.bench.slo import bytes_per_decode_step
     from hybrid.engine.build import rebuild
 
-    settings = {k: (v or None) if k == "stream_cap_gbps" else v for k, v in point.items()}
-    p = replace(s.policy, prefill=replace(s.policy.prefill, beside_decode=True, **settings))
+    groups: dict = {"prefill": {"beside_decode": True}}
+    for knob, v in point.items():
+        group, _, name = knob.rpartition(".")
+        groups.setdefault(group or "prefill", {})[name] = (v or None) if knob == "stream_cap_gbps" else v
+    p = replace(s.policy, **{g: replace(getattr(s.policy, g), **kv) for g, kv in groups.items()})
     engine = rebuild(engine, replace(s, policy=p), s.hw)
     label = " ".join(f"{name} {point[knob] if point[knob] or knob != 'stream_cap_gbps' else 'none'}"
                      for name, knob, _ in SWEEPS if knob in point)

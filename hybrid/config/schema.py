@@ -186,6 +186,7 @@ class DecodePolicy:
     cuda_graphs: str = "hostfn"  # CUDA graphs: hostfn (one graph, CPU hand-off as host nodes) | segments | off
     dual_batch: bool = False  # >= 2 decoding: two micro-batches, one's GPU work beside the other's CPU experts
     batch_invariant: bool = False  # GPU: a sequence's decode numbers independent of its batch mates (placement)
+    mapped_outputs: bool = True  # GPU: the CPU experts' outputs read in place from pinned memory, not copied back
 
     def __post_init__(self) -> None:
         _at_least(self, "decode", 1, "batch_cap")
@@ -286,6 +287,7 @@ class BenchConfig:
     beside_cores: List[int] = field(default_factory=list)  # 1P+1D again at each policy.prefill.beside_cores
     attention_chunks: List[int] = field(default_factory=list)  # ... at each policy.prefill.attention_chunk_tokens
     stream_queues: List[int] = field(default_factory=list)  # ... at each policy.prefill.stream_queue_mb
+    mapped_outputs: List[bool] = field(default_factory=list)  # ... at each policy.decode.mapped_outputs
 
     def __post_init__(self) -> None:
         if (min([*self.ms, *self.moe_tokens, *self.gemm_rows, *self.group_sweep, *self.batches], default=1) < 1

@@ -66,7 +66,8 @@ REBUILDABLE = frozenset({"cpu.threads", "cpu.gemm_tile_tokens", "cpu.amx_min_tok
                          "prefill.slp_cutoff_tokens", "prefill.ring_len", "prefill.slp_chunk_tokens",
                          "prefill.slp_group_experts", "prefill.beside_decode", "prefill.stream_cap_gbps",
                          "prefill.attention_chunk_tokens", "prefill.beside_cores", "prefill.stream_queue_mb",
-                         "decode.batch_cap", "decode.cuda_graphs", "decode.dual_batch", "gpu.experts_per_layer"})
+                         "decode.batch_cap", "decode.cuda_graphs", "decode.dual_batch", "decode.mapped_outputs",
+                         "gpu.experts_per_layer"})
 
 
 @dataclass(frozen=True)
@@ -232,8 +233,12 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
         ledger = Ledger(budget, placed.weight_bytes, kv, hot_bytes)
     graphs = graphs_apply(s, device)
     decode = None
+    mapped = placed.staging.pin and p.decode.mapped_outputs
+    same_outputs = previous is not None and previous.plan.mapped_outputs == mapped
+    placed.staging.mapped = mapped
     if graphs:
-        decode = previous.decoder(p.decode.cuda_graphs) if same_hot else None  # graphs captured with these slots
+        # graphs captured with these slots and the same hand-off of the CPU experts' outputs
+        decode = previous.decoder(p.decode.cuda_graphs) if same_hot and same_outputs else None
         if decode is None:
             from hybrid.engine.cuda_graphs import GraphedDecode  # GPU only: loads the CUDA driver's entry point
 
@@ -252,6 +257,7 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
                 stream_queue_bytes=p.prefill.stream_queue_mb << 20 if p.prefill.stream_queue_mb else None,
                 gpu_weights=p.gpu.weights, gpu_fp8_gemm=p.gpu.fp8_gemm, gpu_fp8_dequant_rows=p.gpu.fp8_dequant_rows,
                 cuda_graphs=p.decode.cuda_graphs if graphs else "off", dual_batch=p.decode.dual_batch,
+                mapped_outputs=mapped,
                 gpu_experts_per_layer=p.gpu.experts_per_layer, gpu_pad_rows=placed.gemm.pad_rows, ledger=ledger)
     print(plan.describe(), file=sys.stderr)
     after = functools.partial(_refresh, hot) if hot else None

@@ -379,11 +379,10 @@ class Engine:
     def _decode_inputs(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """A decode step's (tokens_B1, pos_B1, slots_B, kv_len) for these requests: each one's last token at its
         position."""
-        dev = self.device
         positions = [r.position - 1 for r in reqs]
-        return (torch.tensor([[r.output[-1]] for r in reqs], device=dev),
-                torch.tensor([[p] for p in positions], device=dev),
-                torch.tensor([r.slot for r in reqs], device=dev), max(positions) + 1)
+        # one host-to-device copy for the three (each copy may wait behind a prefill's expert copies beside decode)
+        both = torch.tensor([[r.output[-1], p, r.slot] for r, p in zip(reqs, positions)], device=self.device)
+        return both[:, 0:1].contiguous(), both[:, 1:2].contiguous(), both[:, 2].contiguous(), max(positions) + 1
 
     def _eager_decode(self, tokens_B1, pos_B1, slots_B, kv_len: int, capture: bool = True) -> torch.Tensor:
         return self.model(tokens_B1, pos_B1, self.cache, slots_B, kv_len=kv_len)[:, -1]

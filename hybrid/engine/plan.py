@@ -41,6 +41,7 @@ class Plan:
     prefill_beside_cores: int = 0  # meanwhile decode's CPU experts run on this many fewer threads
     stream_cap_bytes_s: Optional[float] = None  # that stream's copy rate while requests decode (None: no cap)
     stream_queue_bytes: Optional[int] = None  # ... and its copies queued on the GPU at a time (None: no bound)
+    mapped_outputs: bool = False  # the CPU experts' outputs read in place from pinned memory by the GPU
     # GPU side
     gpu_weights: str = "dense"
     gpu_fp8_gemm: str = "triton"
@@ -90,6 +91,7 @@ class Plan:
                       f"of {p.slp_group_experts}, chunks {p.slp_chunk_tokens or 'whole prompt'}, on {gpus}, "
                       f"{beside}",
                       f"  GPU: weights {p.gpu_weights}, FP8 GEMM {p.gpu_fp8_gemm}, CUDA graphs {p.cuda_graphs}, "
+                      f"CPU experts' outputs {'read in place' if p.mapped_outputs else 'copied back'}, "
                       f"{p.gpu_experts_per_layer} hot experts per layer, decode "
                       + (f"batch-invariant (GEMMs padded to {p.gpu_pad_rows} rows, attention in fixed chunks)"
                          if p.gpu_pad_rows else "not batch-invariant (einsum attention)"),

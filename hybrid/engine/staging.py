@@ -8,6 +8,12 @@ back. CUDA graphs copy into fixed buffers instead, one set per lane: dual-batch 
 graphs at once, each through its own set (`lane`, chosen while a graph is captured). On the CPU the buffers are
 bypassed unless `stage_on_cpu` (tests use it to run the GPU logic in CI).
 
+With `mapped` (policy.decode.mapped_outputs), the CPU op's output is not copied back: a kernel on the stream reads
+it straight from the pinned buffer over PCIe (the buffer's address is valid on the GPU: unified addressing) and
+writes it in the model's dtype. The GPU's copy engine runs host-to-device copies in the order they were queued,
+and a stream-loading prefill beside decode keeps expert copies queued there; a decode step's outputs read this way
+never wait behind them.
+
 `Deferral` is KTransformers' expert deferral (policy.cpu.deferred_experts = D; placement's DeferredCpuExperts): each
 token's D lowest-weighted experts run after the others, overlapping the next layer's attention; their output joins
 the residual stream one MoE layer late (the last layer waits for its own). It changes the model's output slightly,
@@ -33,9 +39,29 @@ class _Buffers:
         self.out = new(rows, hidden, dtype=torch.float32)
 
 
+def mapped(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor over the pinned host tensor's memory (no copy: kernels that read it read host memory)."""
+    if not host.is_pinned():
+        raise ValueError("only pinned host memory can be read by the GPU in place")
+
+    class _Memory:  # the CUDA array interface, which torch.as_tensor takes without copying
+        __cuda_array_interface__ = {"data": (host.data_ptr(), False), "shape": tuple(host.shape), "version": 3,
+                                    "typestr": {torch.float32: "<f4", torch.int64: "<i8"}[host.dtype],
+                                    "strides": tuple(s * host.element_size() for s in host.stride())}
+
+    return torch.as_tensor(_Memory(), device=device)
+
+
+def read_in_place(host: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`host` (pinned) on `device` as `dtype`, read by a kernel on the current stream (not by the copy engine)."""
+    view = mapped(host, device)
+    return view.to(dtype) if view.dtype != dtype else view.mul(1)  # mul: a kernel; a same-dtype copy_ is a memcpy
+
+
 class Staging:
-    def __init__(self, hidden: int, top_k: int, pin: bool = False, stage_on_cpu: bool = False):
+    def __init__(self, hidden: int, top_k: int, pin: bool = False, stage_on_cpu: bool = False, mapped: bool = False):
         self.hidden, self.top_k, self.pin, self.stage_on_cpu = hidden, top_k, pin, stage_on_cpu
+        self.mapped = mapped and pin
         self.syncs = 0
         self._bufs: Optional[_Buffers] = None  # eager calls: grown on demand
         # CUDA graphs: by lane, allocated once, never moved (graphs hold addresses)
@@ -100,6 +126,8 @@ class Staging:
             staged = any(b is not None and out_h.data_ptr() == b.out.data_ptr()
                          for b in (self._bufs, *self._fixed.values()))
             return out_h.to(like.dtype, copy=staged)
+        if self.mapped and out_h.is_pinned():
+            return read_in_place(out_h, like.device, like.dtype)
         return out_h.to(like.device, non_blocking=True).to(like.dtype)
 
 

@@ -38,15 +38,15 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on t
             "bench.new_tokens=6", "bench.roof_gb=0.05", "policy.prefill.chunk_tokens=16", "policy.kv.max_context=256",
             "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "bench.scenarios=[1D,2D,1P,1P+1D,1P+2D]",
             "bench.stream_caps=[10]", "bench.beside_cores=[1]", "bench.attention_chunks=[0]", "bench.stream_queues=[0]",
-            "bench.dual_batch=true"]
+            "bench.mapped_outputs=[false]", "bench.dual_batch=true"]
     p = subprocess.run([sys.executable, "-m", "hybrid", *args], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     dual = {r["dual_batch"]: r for r in out["records"] if "dual_batch" in r}  # the 2D pair: without and with
     recs = {(r["name"], r.get("scenario")): r for r in out["records"] if "dual_batch" not in r}  # extras flattened
     # no stream-loading without a GPU: the sweeps are skipped, said once
-    assert ("bench.stream_caps, bench.beside_cores, bench.attention_chunks, bench.stream_queues skipped"
-            in p.stderr)
+    assert ("bench.stream_caps, bench.beside_cores, bench.attention_chunks, bench.stream_queues, "
+            "bench.mapped_outputs skipped" in p.stderr)
     for sc, n in (("1D", 1), ("2D", 2), ("1P+1D", 1), ("1P+2D", 2)):
         tpot, tok = recs[("tpot_s", sc)], recs[("decode_tok_s", sc)]
         assert tpot["m"] == n and 0 < tpot["value"] < 5
@@ -94,7 +94,9 @@ def test_too_many_requests_for_the_batch_cap_fail_clearly(tmp_path, tiny_dir):
     ({"beside_cores": 2}, "1P+1D cores 2", {"beside_cores": 2}),
     ({"attention_chunk_tokens": 0}, "1P+1D chunks 0", {"attention_chunk_tokens": 0}),
     ({"stream_cap_gbps": 10.0, "beside_cores": 1}, "1P+1D cap 10.0 cores 1",
-     {"stream_cap_gbps": 10.0, "beside_cores": 1})])
+     {"stream_cap_gbps": 10.0, "beside_cores": 1}),
+    ({"beside_cores": 2, "decode.mapped_outputs": False}, "1P+1D cores 2 mapped False",
+     {"beside_cores": 2, "decode.mapped_outputs": False})])
 def test_each_sweep_point_rebuilds_with_its_knobs_beside_decode(monkeypatch, point, label, settings):
     """bench.stream_caps / beside_cores / attention_chunks (GPU runs): 1P+1D once more on an engine rebuilt with the
     point's knobs changed and the prompt beside decode, the records tagged with them (the rebuild and the run
@@ -113,7 +115,11 @@ def test_each_sweep_point_rebuilds_with_its_knobs_beside_decode(monkeypatch, poi
     engine, recs = concurrency._again("old", s, point, [], [], results, 1.0, 1.0)
     assert engine == "rebuilt" and seen["run"] == ("rebuilt", Scenario(label, 1, 1)) and label in results
     assert seen["policy"].prefill.beside_decode
-    assert {k: getattr(seen["policy"].prefill, k) for k in settings} == settings
+    def knob(path):
+        group, _, name = path.rpartition(".")
+        return getattr(getattr(seen["policy"], group or "prefill"), name)
+
+    assert {k: knob(k) for k in settings} == settings
     assert recs[0].extra == point
 
 
