@@ -163,7 +163,7 @@ class PrefillPolicy:
     beside_decode: bool = False  # a stream-loaded prompt runs on a thread of its own while the others keep decoding
     stream_cap_gbps: Optional[float] = None  # beside decode, while requests decode: the stream's copies at most this
     attention_chunk_tokens: int = 2048  # a prompt's attention in query chunks of this many (0: one call per layer)
-    beside_cores: int = 0  # while a prompt streams beside decode, decode's CPU experts leave this many cores to it
+    beside_cores: int = 2  # while a prompt streams beside decode, decode's CPU experts leave this many cores to it
     stream_queue_mb: int = 16  # beside decode, while requests decode: the stream's copies queued at a time (0: any)
 
     def __post_init__(self) -> None:
