@@ -13,8 +13,9 @@ decode tokens/s against the bound measured in the same run — the routed-expert
 roof, and while a prompt streams through the GPU, ÷ the roof less the stream's copy rate (min(cap, pinned H2D
 rate)): the stream reads the same DRAM. `bench.stream_caps` repeats 1P+1D with the prompt beside decode at each cap
 (the trade-off curve: cap → TPOT ratio, TTFT; plotted beside the JSON); `bench.beside_cores` and
-`bench.attention_chunks`, `bench.stream_queues`, `bench.mapped_outputs` likewise at each policy.prefill.beside_cores,
-attention_chunk_tokens, stream_queue_mb and policy.decode.mapped_outputs; given together, at every combination (one rebuild each, a curve per
+`bench.attention_chunks`, `bench.stream_queues`, `bench.mapped_outputs`, `bench.beside_sms` likewise at each
+policy.prefill.beside_cores, attention_chunk_tokens, stream_queue_mb, policy.decode.mapped_outputs and
+policy.prefill.beside_sms; given together, at every combination (one rebuild each, a curve per
 setting of the others in the plot).
 `bench.dual_batch` repeats the nD scenarios (n >= 2) with policy.decode.dual_batch flipped, side by side in one
 run: with the overlap, a step is bounded by max(the CPU's expert bytes ÷ the roof, the GPU's time per step), the
@@ -196,7 +197,7 @@ def measure(engine, s) -> Records:
     grid = _grid(b)
     if grid and not streamed:
         print(f"bench=concurrency: the long prompt is not stream-loaded here (that needs a GPU and a prompt over "
-              f"policy.prefill.slp_cutoff_tokens): bench.{', bench.'.join(k for _, _, k in SWEEPS if getattr(b, k))} "
+              f"policy.prefill.slp_cutoff_tokens): bench.{', bench.'.join(k for _, _, k, _ in SWEEPS if getattr(b, k))} "
               f"skipped", file=sys.stderr)
         grid = []
     for point in grid:
@@ -208,15 +209,19 @@ def measure(engine, s) -> Records:
     return Records(records, {"plan": plan})
 
 
-# the sweeps of 1P+1D beside decode: label, policy knob (policy.prefill's unless named group.knob), bench key
-SWEEPS = (("cap", "stream_cap_gbps", "stream_caps"), ("cores", "beside_cores", "beside_cores"),
-          ("chunks", "attention_chunk_tokens", "attention_chunks"), ("queue", "stream_queue_mb", "stream_queues"),
-          ("mapped", "decode.mapped_outputs", "mapped_outputs"))
+# the sweeps of 1P+1D beside decode: label, policy knob (policy.prefill's unless named group.knob), bench key, and the
+# plot's axis for it
+SWEEPS = (("cap", "stream_cap_gbps", "stream_caps", "stream cap while decoding (GB/s)"),
+          ("cores", "beside_cores", "beside_cores", "CPU cores left to the prefill"),
+          ("chunks", "attention_chunk_tokens", "attention_chunks", "prefill attention query chunk (tokens)"),
+          ("queue", "stream_queue_mb", "stream_queues", "stream copies queued on the GPU (MB)"),
+          ("mapped", "decode.mapped_outputs", "mapped_outputs", "CPU experts' outputs read in place"),
+          ("sms", "beside_sms", "beside_sms", "SMs left to decode (the prefill in a green context)"))
 
 
 def _grid(b) -> list[dict]:
     """Every combination of the sweeps' values (a sweep left empty keeps the policy's value): [{knob: value}]."""
-    swept = [(knob, list(getattr(b, key))) for _, knob, key in SWEEPS if getattr(b, key)]
+    swept = [(knob, list(getattr(b, key))) for _, knob, key, _ in SWEEPS if getattr(b, key)]
     if not swept:
         return []
     return [dict(zip([k for k, _ in swept], values)) for values in itertools.product(*[v for _, v in swept])]
@@ -236,7 +241,7 @@ def _again(engine, s, point: dict, d_prompts, p_prompt, results: dict, roof: flo
     p = replace(s.policy, **{g: replace(getattr(s.policy, g), **kv) for g, kv in groups.items()})
     engine = rebuild(engine, replace(s, policy=p), s.hw)
     label = " ".join(f"{name} {point[knob] if point[knob] or knob != 'stream_cap_gbps' else 'none'}"
-                     for name, knob, _ in SWEEPS if knob in point)
+                     for name, knob, _, _ in SWEEPS if knob in point)
     sc = Scenario(f"1P+1D {label}", 1, 1)
     results[sc.name] = r = _run_scenario(engine, sc, d_prompts, p_prompt, s.bench.new_tokens)
     recs = _records(engine, sc, results, roof, h2d, s.bench.long_prompt_tokens, bytes_per_decode_step)
@@ -350,40 +355,51 @@ def run(s) -> Records:
 
 
 def plot(records: list[Record], png: Path) -> Optional[Path]:
-    """The trade-off curve of bench.stream_caps: stream cap -> the decode's TPOT ratio and the prompt's TTFT, a curve
-    per setting of the other sweeps (beside_cores, attention_chunks) when they ran too."""
-    curves: dict = {}
-    for r in records:
-        cap = r.extra.get("stream_cap_gbps")
-        if cap is not None and r.name in ("tpot_ratio", "ttft_s"):
-            other = tuple((name, r.extra[knob]) for name, knob, _ in SWEEPS[1:] if knob in r.extra)
-            curves.setdefault(other, {}).setdefault(cap, {})[r.name] = r.value
-    curves = {o: {c: v for c, v in pts.items() if len(v) == 2} for o, pts in curves.items()}
-    curves = {o: pts for o, pts in curves.items() if pts}
-    if not curves:
+    """The trade-off curves of the 1P+1D sweeps: the first swept knob (in SWEEPS' order) that took two or more
+    values -> the decode's TPOT ratio and the prompt's TTFT, a curve per setting of the other sweeps; each run a
+    point, the curve through the medians of a setting's repeats."""
+    runs = [r for r in records if r.name in ("tpot_ratio", "ttft_s") and any(k in r.extra for _, k, _, _ in SWEEPS)]
+    values = {k: {r.extra[k] for r in runs if k in r.extra} for _, k, _, _ in SWEEPS}
+    axis = next((sw for sw in SWEEPS if len(values[sw[1]]) > 1), None) or next(
+        (sw for sw in SWEEPS if values[sw[1]]), None)
+    if axis is None:
         return None
+    _, knob, _, xlabel = axis
+    points: dict = {}  # other settings -> x -> metric -> [values]
+    for r in runs:
+        if knob in r.extra:
+            other = tuple((name, r.extra[k]) for name, k, _, _ in SWEEPS if k != knob and k in r.extra)
+            points.setdefault(other, {}).setdefault(r.extra[knob], {}).setdefault(r.name, []).append(r.value)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    caps = sorted({c for pts in curves.values() for c in pts}, key=lambda c: c or float("inf"))
-    x = {c: i for i, c in enumerate(caps)}
+    cap = knob == "stream_cap_gbps"  # 0 is none: drawn last
+    order = lambda v: (float("inf") if cap and not v else float(v))  # noqa: E731
+    xs = sorted(values[knob], key=order)
+    at = {v: i for i, v in enumerate(xs)}
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for i, (other, pts) in enumerate(sorted(curves.items())):
-        cs = sorted(pts, key=lambda c: c or float("inf"))
+    for i, (other, pts) in enumerate(sorted(points.items(), key=lambda kv: str(kv[0]))):
         name = ", ".join(f"{n} {v}" for n, v in other) or "the policy's"
-        ax.plot([x[c] for c in cs], [pts[c]["tpot_ratio"] for c in cs], marker="o", color=f"C{i}", label=name)
-        ax2.plot([x[c] for c in cs], [pts[c]["ttft_s"] for c in cs], marker="s", color=f"C{i}", label=name)
+        for a, metric, marker in ((ax, "tpot_ratio", "o"), (ax2, "ttft_s", "s")):
+            line = [(at[v], statistics.median(m[metric])) for v, m in sorted(pts.items(), key=lambda kv: order(
+                kv[0])) if metric in m]
+            if line:
+                a.plot(*zip(*line), marker=marker, color=f"C{i}", label=name)
+            dots = [(at[v], y) for v, m in pts.items() for y in m.get(metric, [])]
+            if len(dots) > len(line):  # repeats: every run shown
+                a.scatter(*zip(*dots), color=f"C{i}", alpha=0.35, s=14)
     ax.axhline(1.15, linestyle="--", color="gray", alpha=0.6, label="1.15x")
     # log: an uncapped stream can hold decode 20x, a capped one 1.1-1.3x; both readable on one axis
     ax.set_yscale("log")
     for axis_ticks in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
         axis_ticks(matplotlib.ticker.FormatStrFormatter("%.2f"))
     for a in (ax, ax2):
-        a.set_xticks(range(len(caps)), [f"{c:g}" if c else "none" for c in caps])
-        a.set_xlabel("stream cap while decoding (GB/s)")
+        a.set_xticks(range(len(xs)), ["none" if cap and not v else f"{v:g}" if isinstance(v, float) else str(v)
+                                      for v in xs])
+        a.set_xlabel(xlabel)
         a.legend(fontsize=8)
     ax.set(ylabel="decode TPOT during ÷ before (log)", title="1P+1D: decode beside the prefill")
     ax2.set(ylabel="TTFT (s)", title="1P+1D: the long prompt's TTFT")

@@ -165,10 +165,11 @@ class PrefillPolicy:
     attention_chunk_tokens: int = 2048  # a prompt's attention in query chunks of this many (0: one call per layer)
     beside_cores: int = 2  # while a prompt streams beside decode, decode's CPU experts leave this many cores to it
     stream_queue_mb: int = 16  # beside decode, while requests decode: the stream's copies queued at a time (0: any)
+    beside_sms: Optional[int] = None  # beside decode, the prefill's kernels leave this many SMs to decode's (None: auto)
 
     def __post_init__(self) -> None:
         _at_least(self, "prefill", 1, "chunk_tokens")
-        _at_least(self, "prefill", 0, "slp_cutoff_tokens", optional=True)
+        _at_least(self, "prefill", 0, "slp_cutoff_tokens", "beside_sms", optional=True)
         _at_least(self, "prefill", 0, "attention_chunk_tokens", "beside_cores", "stream_queue_mb")
         _at_least(self, "prefill", 1, "ring_len", "slp_chunk_tokens", "slp_group_experts", optional=True)
         if self.gpus not in (None, 1, 2):
@@ -288,6 +289,7 @@ class BenchConfig:
     attention_chunks: List[int] = field(default_factory=list)  # ... at each policy.prefill.attention_chunk_tokens
     stream_queues: List[int] = field(default_factory=list)  # ... at each policy.prefill.stream_queue_mb
     mapped_outputs: List[bool] = field(default_factory=list)  # ... at each policy.decode.mapped_outputs
+    beside_sms: List[int] = field(default_factory=list)  # ... at each policy.prefill.beside_sms
 
     def __post_init__(self) -> None:
         if (min([*self.ms, *self.moe_tokens, *self.gemm_rows, *self.group_sweep, *self.batches], default=1) < 1
@@ -304,7 +306,7 @@ class BenchConfig:
             raise ValueError(f"bench.graph_modes takes hostfn and/or segments, got {list(self.graph_modes)}")
         if min(self.stream_caps, default=0) < 0:
             raise ValueError(f"bench.stream_caps are GB/s >= 0 (0: no cap), got {list(self.stream_caps)}")
-        for knob in ("beside_cores", "attention_chunks", "stream_queues"):
+        for knob in ("beside_cores", "attention_chunks", "stream_queues", "beside_sms"):
             if min(getattr(self, knob), default=0) < 0:
                 raise ValueError(f"bench.{knob} must be >= 0, got {list(getattr(self, knob))}")
         from hybrid.bench.concurrency import parse_scenario  # the one place that reads a scenario's name

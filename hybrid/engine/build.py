@@ -25,6 +25,7 @@ from hybrid.engine.placement import (chunk_prefill_attention, cpu_experts, exper
                                      hot_experts_to_device, pin_experts, place)
 from hybrid.engine.plan import Plan, resolve_prefill_gpus
 from hybrid.engine.staging import Staging
+from hybrid.engine.streams import prefill_sms
 from hybrid.errors import ConfigError
 from hybrid.kernels import combine, fp8_linear, pointwise, thread_pool
 from hybrid.kernels.dispatch import kernel_name, selected
@@ -66,6 +67,7 @@ REBUILDABLE = frozenset({"cpu.threads", "cpu.gemm_tile_tokens", "cpu.amx_min_tok
                          "prefill.slp_cutoff_tokens", "prefill.ring_len", "prefill.slp_chunk_tokens",
                          "prefill.slp_group_experts", "prefill.beside_decode", "prefill.stream_cap_gbps",
                          "prefill.attention_chunk_tokens", "prefill.beside_cores", "prefill.stream_queue_mb",
+                         "prefill.beside_sms",
                          "decode.batch_cap", "decode.cuda_graphs", "decode.dual_batch", "decode.mapped_outputs",
                          "gpu.experts_per_layer"})
 
@@ -255,6 +257,7 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
                 prefill_beside_decode=p.prefill.beside_decode, prefill_beside_cores=p.prefill.beside_cores,
                 stream_cap_bytes_s=p.prefill.stream_cap_gbps * 1e9 if p.prefill.stream_cap_gbps else None,
                 stream_queue_bytes=p.prefill.stream_queue_mb << 20 if p.prefill.stream_queue_mb else None,
+                prefill_sms=prefill_sms(device, p.prefill.beside_sms) if p.prefill.beside_decode else None,
                 gpu_weights=p.gpu.weights, gpu_fp8_gemm=p.gpu.fp8_gemm, gpu_fp8_dequant_rows=p.gpu.fp8_dequant_rows,
                 cuda_graphs=p.decode.cuda_graphs if graphs else "off", dual_batch=p.decode.dual_batch,
                 mapped_outputs=mapped,

@@ -30,7 +30,7 @@ from hybrid.engine.plan import Plan, decode_threads
 from hybrid.engine.requests import FinishReason, Request, RequestError, RequestOutput, SamplingParams, State
 from hybrid.engine.sampler import Sampler, choose
 from hybrid.engine.scheduler import Chunk, Scheduler
-from hybrid.engine.streams import decode_stream, on
+from hybrid.engine.streams import PrefillSide, decode_stream, on
 from hybrid.kernels import thread_pool
 from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
@@ -102,6 +102,7 @@ class Engine:
         self._beside: Optional[_Beside] = None  # the stream-loading prefill running beside decode, if any
         # the steps' GPU work, at the device's highest priority: ahead of a prefill streaming beside decode
         self.stream = decode_stream(self.device)
+        self._side = PrefillSide(self.device, plan.prefill_sms)  # where a prompt beside decode computes
         self.last_step_s = 0.0
 
     # -- requests ---------------------------------------------------------------------------------------------
@@ -514,7 +515,7 @@ class _Beside:
     @classmethod
     def start(cls, engine: "Engine", chunk: Chunk) -> "_Beside":
         req = chunk.request
-        side = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
+        side = engine._side.stream()
         if side is not None:  # what the engine's stream wrote (e.g. a cleared slot) before the prefill reads
             side.wait_stream(torch.cuda.current_stream(engine.device))
         b = cls(chunk, threading.Thread(target=lambda: b._run(engine), name=f"prefill-{req.id}", daemon=True),

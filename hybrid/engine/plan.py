@@ -41,6 +41,7 @@ class Plan:
     prefill_beside_cores: int = 0  # meanwhile decode's CPU experts run on this many fewer threads
     stream_cap_bytes_s: Optional[float] = None  # that stream's copy rate while requests decode (None: no cap)
     stream_queue_bytes: Optional[int] = None  # ... and its copies queued on the GPU at a time (None: no bound)
+    prefill_sms: Optional[int] = None  # beside decode, the prefill's kernels on this many SMs (None: every SM)
     mapped_outputs: bool = False  # the CPU experts' outputs read in place from pinned memory by the GPU
     # GPU side
     gpu_weights: str = "dense"
@@ -86,6 +87,9 @@ class Plan:
                     cap += f", at most {p.stream_queue_bytes >> 20} MB of copies queued"
                 cores = (f", decode's experts on {decode_threads(p, True)} threads meanwhile"
                          if p.prefill_beside_cores else "")
+                if p.prefill_sms:
+                    cores += f", its kernels on {p.prefill_sms} SMs (a green context)"
+
                 beside = f"beside decode ({cap} while requests decode{cores})"
             lines += [f"  stream-loading prefill above {p.slp_cutoff_tokens} tokens: ring {ring}, experts in groups "
                       f"of {p.slp_group_experts}, chunks {p.slp_chunk_tokens or 'whole prompt'}, on {gpus}, "

@@ -38,7 +38,7 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on t
             "bench.new_tokens=6", "bench.roof_gb=0.05", "policy.prefill.chunk_tokens=16", "policy.kv.max_context=256",
             "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "bench.scenarios=[1D,2D,1P,1P+1D,1P+2D]",
             "bench.stream_caps=[10]", "bench.beside_cores=[1]", "bench.attention_chunks=[0]", "bench.stream_queues=[0]",
-            "bench.mapped_outputs=[false]", "bench.dual_batch=true"]
+            "bench.mapped_outputs=[false]", "bench.beside_sms=[16]", "bench.dual_batch=true"]
     p = subprocess.run([sys.executable, "-m", "hybrid", *args], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
@@ -46,7 +46,7 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on t
     recs = {(r["name"], r.get("scenario")): r for r in out["records"] if "dual_batch" not in r}  # extras flattened
     # no stream-loading without a GPU: the sweeps are skipped, said once
     assert ("bench.stream_caps, bench.beside_cores, bench.attention_chunks, bench.stream_queues, "
-            "bench.mapped_outputs skipped" in p.stderr)
+            "bench.mapped_outputs, bench.beside_sms skipped" in p.stderr)
     for sc, n in (("1D", 1), ("2D", 2), ("1P+1D", 1), ("1P+2D", 2)):
         tpot, tok = recs[("tpot_s", sc)], recs[("decode_tok_s", sc)]
         assert tpot["m"] == n and 0 < tpot["value"] < 5
@@ -143,3 +143,27 @@ def test_plot_draws_a_curve_per_other_setting(tmp_path):
             for cap in (0, 20, 10) for cores in (0, 1) for name, v in (("tpot_ratio", 1.1 + cores), ("ttft_s", 2.0))]
     assert concurrency.plot(recs, tmp_path / "c.png") == tmp_path / "c.png" and (tmp_path / "c.png").stat().st_size
     assert concurrency.plot([Record("tpot_ratio", 1.0, "x")], tmp_path / "none.png") is None
+
+
+def test_plot_takes_the_knob_that_was_swept_with_repeats(tmp_path, monkeypatch):
+    """bench.beside_sms=[0,32,0,32]: the SMs on the x axis (not the cap's), a point per run, the curve through the
+    medians of each setting's runs."""
+    import matplotlib.axes
+
+    from hybrid.bench import concurrency
+    from hybrid.bench.records import Record
+
+    drawn = []  # the lines' (x, y), in the order drawn: the TPOT ratio's first
+    real_plot = matplotlib.axes.Axes.plot
+
+    def plot(self, *a, **k):
+        drawn.append(a)
+        return real_plot(self, *a, **k)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    recs = [Record(name, v, "x", extra={"beside_sms": sms, "stream_queue_mb": 16})
+            for sms, ratio in ((0, 1.2), (32, 1.1), (0, 1.16), (32, 1.04), (0, 1.18))
+            for name, v in (("tpot_ratio", ratio), ("ttft_s", 2.0))]
+    assert concurrency.plot(recs, tmp_path / "s.png") == tmp_path / "s.png"
+    xs, ys = drawn[0]
+    assert list(xs) == [0, 1] and list(ys) == [1.18, pytest.approx(1.07)]  # medians of 3 and of 2 runs

@@ -224,6 +224,7 @@ def test_wrong_type(override, expect):
     (["policy.prefill.attention_chunk_tokens=-1"], "policy.prefill.attention_chunk_tokens"),  # 0: one call
     (["policy.prefill.beside_cores=-1"], "policy.prefill.beside_cores"),
     (["policy.prefill.stream_queue_mb=-1"], "policy.prefill.stream_queue_mb"),  # 0: no bound
+    (["policy.prefill.beside_sms=-1"], "policy.prefill.beside_sms"),  # 0: every SM
     (["policy.decode.batch_cap=99"], "policy.decode.batch_cap"),  # > kv.max_batch (8)
     (["policy.kv.max_batch=4"], "policy.kv.max_batch"),  # < decode.batch_cap (6)
     (["policy.kv.max_batch=0"], "policy.kv.max_batch"),

@@ -302,8 +302,8 @@ def test_throttle_paces_announced_copies():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("cap", [None, 2.0])
-def test_gpu_prefill_beside_graphed_decode_keeps_solo_tokens(cap):
+@pytest.mark.parametrize("cap, sms", [(None, 0), (2.0, 0), (None, 16), (None, None)])
+def test_gpu_prefill_beside_graphed_decode_keeps_solo_tokens(cap, sms):
     """On a GPU, under CUDA graphs: a long prompt streamed on its own thread and stream while two requests decode
     (one of them arriving during the stream), its attention in query chunks; every request's greedy tokens equal
     its tokens alone. (On the H200, 2026-12-01, run D, request 0 left its solo tokens at its 34th token with the
@@ -317,8 +317,13 @@ def test_gpu_prefill_beside_graphed_decode_keeps_solo_tokens(cap):
                  "policy.decode.batch_invariant=true", "policy.prefill.attention_chunk_tokens=64"]  # 200: 4 chunks
     if cap is not None:
         overrides.append(f"policy.prefill.stream_cap_gbps={cap}")
+    if sms is not None:  # 16: the prefill's kernels in a green context, 16 SMs left to decode; None: auto
+        overrides.append(f"policy.prefill.beside_sms={sms}")
     s = to_settings(compose(overrides))
     engine = build(s, s.hw, progress=False)
+    from hybrid.engine.streams import green_contexts
+
+    assert (engine.plan.prefill_sms is None) == (sms == 0 or (sms is None and not green_contexts()))
     v = engine.model.args.vocab_size
     p = [torch.randint(2, v, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 200, 12)]
     got = _run(engine, {0: [(p[0], _greedy(60))], 2: [(p[1], _greedy(10))], 3: [(p[2], _greedy(20))]})
@@ -328,11 +333,33 @@ def test_gpu_prefill_beside_graphed_decode_keeps_solo_tokens(cap):
 
 
 def test_the_engine_steps_on_no_stream_off_cuda():
-    from hybrid.engine.streams import decode_stream, on
+    from hybrid.engine.streams import PrefillSide, decode_stream, on, prefill_sms
 
     assert decode_stream(CPU) is None
     with on(None):  # a no-op: the CPU has no streams
         pass
+    assert prefill_sms(CPU, 16) is None and PrefillSide(CPU, None).stream() is None
+
+
+def test_the_sms_left_to_decode_are_checked():
+    """policy.prefill.beside_sms: the prefill's share is the GPU's SMs less it; none left, or no green contexts in
+    this torch, is a configuration error that says so."""
+    from hybrid.engine.streams import sms_left
+    from hybrid.errors import ConfigError
+
+    assert sms_left(132, 16, True) == 116 and sms_left(132, 131, True) == 1
+    assert sms_left(132, None, True) == 100 and sms_left(60, None, True) == 45  # auto: 32, at most a quarter
+    assert sms_left(132, None, False) is None  # auto without green contexts: every SM
+    with pytest.raises(ConfigError, match="leaves the prefill no SM: this GPU has 132"):
+        sms_left(132, 132, True)
+    with pytest.raises(ConfigError, match="green context, which this torch"):
+        sms_left(132, 16, False)
+
+
+def test_a_plan_with_sms_left_to_decode_says_so():
+    banner = Plan(device=torch.device("cuda"), threads=16, prefill_beside_decode=True, prefill_sms=116).describe()
+    assert "its kernels on 116 SMs (a green context)" in banner
+    assert "green context" not in Plan(device=torch.device("cuda"), threads=16, prefill_beside_decode=True).describe()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
