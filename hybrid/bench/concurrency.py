@@ -196,9 +196,9 @@ def measure(engine, s) -> Records:
         _say(sc, results[sc.name])
     grid = _grid(b)
     if grid and not streamed:
+        swept = ", bench.".join(key for _, _, key, _ in SWEEPS if getattr(b, key))
         print(f"bench=concurrency: the long prompt is not stream-loaded here (that needs a GPU and a prompt over "
-              f"policy.prefill.slp_cutoff_tokens): bench.{', bench.'.join(k for _, _, k, _ in SWEEPS if getattr(b, k))} "
-              f"skipped", file=sys.stderr)
+              f"policy.prefill.slp_cutoff_tokens): bench.{swept} skipped", file=sys.stderr)
         grid = []
     for point in grid:
         engine, recs = _again(engine, s, point, d_prompts, p_prompt, results, roof, h2d)

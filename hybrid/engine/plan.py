@@ -89,7 +89,6 @@ class Plan:
                          if p.prefill_beside_cores else "")
                 if p.prefill_sms:
                     cores += f", its kernels on {p.prefill_sms} SMs (a green context)"
-
                 beside = f"beside decode ({cap} while requests decode{cores})"
             lines += [f"  stream-loading prefill above {p.slp_cutoff_tokens} tokens: ring {ring}, experts in groups "
                       f"of {p.slp_group_experts}, chunks {p.slp_chunk_tokens or 'whole prompt'}, on {gpus}, "
