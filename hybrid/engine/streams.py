@@ -84,7 +84,11 @@ class PrefillSide:
 
             key = (device.index or 0, sms)
             if key not in _GREEN:
-                _GREEN[key] = GreenContext.create(num_sms=sms, device_id=key[0])
+                try:
+                    _GREEN[key] = GreenContext.create(num_sms=sms, device_id=key[0])
+                except RuntimeError as e:  # a driver without them (or an SM count it will not split off)
+                    raise ConfigError(f"the prefill beside decode on {sms} SMs (policy.prefill.beside_sms): the CUDA "
+                                      f"driver refused the green context ({e}); set policy.prefill.beside_sms=0") from e
             self._ctx = _GREEN[key]
 
     def stream(self) -> Optional[torch.cuda.Stream]:
