@@ -78,7 +78,7 @@ class PrefillSide:
     when set; None off CUDA devices."""
 
     def __init__(self, device: torch.device, sms: Optional[int]):
-        self.device, self.sms, self._ctx = device, sms, None
+        self.device, self._ctx = device, None
         if sms and device.type == "cuda":
             from torch.cuda.green_contexts import GreenContext
 
