@@ -252,39 +252,56 @@ def _again(engine, s, point: dict, d_prompts, p_prompt, results: dict, roof: flo
 
 
 def _dual_batch(engine, s, scenarios: list[Scenario], results: dict, d_prompts, roof: float, step_bytes) -> list:
-    """The nD scenarios again with policy.decode.dual_batch flipped (one rebuild): decode tok/s of both ways side
-    by side, against the overlap's bound max(expert bytes ÷ roof, GPU time per step) and the serial bound."""
+    """The nD scenarios again without and with policy.decode.dual_batch, in turn, bench.dual_rounds times (the
+    host's bandwidth drifts: rounds alternate the ways), at each of bench.cpu_joins (none: the policy's): decode
+    tok/s of both ways side by side (median over rounds; `vs_no_overlap` the median of each round's ratio), against
+    the overlap's bound max(expert bytes ÷ roof, GPU time per step) and the serial bound."""
     from hybrid.engine.build import rebuild
 
     if not scenarios:
         print("bench=concurrency: bench.dual_batch needs an nD scenario with n >= 2", file=sys.stderr)
         return []
-    was = engine.plan.dual_batch
-    p = replace(s.policy, decode=replace(s.policy.decode, dual_batch=not was))
-    engine = rebuild(engine, replace(s, policy=p), s.hw)
-    for n in sorted({sc.decodes for sc in scenarios}):  # warm-up: the micro-batches' graphs
-        _run_scenario(engine, Scenario(f"{n}D", 0, n), d_prompts, None, 4)
+    b = s.bench
+    joins = list(b.cpu_joins) or [s.policy.decode.cpu_join]
+    runs: dict = {}  # (join, dual, scenario) -> per round, the scenario's results
+    labels: dict = {}
+    for _ in range(b.dual_rounds):
+        for join in joins:
+            for dual in (False, True):
+                p = replace(s.policy, decode=replace(s.policy.decode, dual_batch=dual, cpu_join=join))
+                engine = rebuild(engine, replace(s, policy=p), s.hw)
+                for n in sorted({sc.decodes for sc in scenarios}):  # warm-up: the micro-batches' graphs
+                    _run_scenario(engine, Scenario(f"{n}D", 0, n), d_prompts, None, 4)
+                for sc in scenarios:
+                    runs.setdefault((join, dual, sc.name), []).append(
+                        _run_scenario(engine, sc, d_prompts, None, b.new_tokens))
+                labels[join] = join or engine.plan.cpu_join  # null: what it resolved to
     out = []
-    for sc in scenarios:
-        flipped = _run_scenario(engine, sc, d_prompts, None, s.bench.new_tokens)
-        by_way = {was: results[sc.name], not was: flipped}
-        serial = by_way[False]
-        for dual, r in by_way.items():
-            tok = Record("decode_tok_s", r["before_tok_s"], "tok/s", m=sc.decodes,
-                         extra={"scenario": sc.name, "dual_batch": dual, "vs_no_overlap":
-                                r["before_tok_s"] / serial["before_tok_s"]})
-            if roof:
-                cpu_step = step_bytes(engine, sc.decodes) / (roof * 1e9)
-                gpu_step = serial.get("gpu_s")
-                tok.extra["cpu_experts_step_s"] = cpu_step
-                if gpu_step is not None:
-                    tok.extra["gpu_step_s"] = gpu_step
-                # with the overlap, the slower side; without, both in turn
-                step = max(cpu_step, gpu_step or 0) if dual else cpu_step + (gpu_step or 0)
-                tok.bound = sc.decodes / step
-            out.append(tok)
-        print(f"  {sc.name}: {serial['before_tok_s']:.1f} tok/s without overlap, "
-              f"{by_way[True]['before_tok_s']:.1f} with dual-batch overlap", file=sys.stderr)
+    for join in joins:
+        for sc in scenarios:
+            serial, dual_runs = runs[(join, False, sc.name)], runs[(join, True, sc.name)]
+            ratios = [d["before_tok_s"] / o["before_tok_s"] for o, d in zip(serial, dual_runs)]
+            gpus = [r["gpu_s"] for r in serial if r.get("gpu_s") is not None]
+            gpu_step = statistics.median(gpus) if gpus else None
+            for dual, rs in ((False, serial), (True, dual_runs)):
+                tok_s = [r["before_tok_s"] for r in rs]
+                tok = Record("decode_tok_s", statistics.median(tok_s), "tok/s", m=sc.decodes,
+                             extra={"scenario": sc.name, "dual_batch": dual, "cpu_join": labels[join],
+                                    "rounds": len(rs), "tok_s_by_round": tok_s,
+                                    "vs_no_overlap": statistics.median(ratios) if dual else 1.0})
+                if roof:
+                    cpu_step = step_bytes(engine, sc.decodes) / (roof * 1e9)
+                    tok.extra["cpu_experts_step_s"] = cpu_step
+                    if gpu_step is not None:
+                        tok.extra["gpu_step_s"] = gpu_step
+                    # with the overlap, the slower side; without, both in turn
+                    step = max(cpu_step, gpu_step or 0) if dual else cpu_step + (gpu_step or 0)
+                    tok.bound = sc.decodes / step
+                out.append(tok)
+            print(f"  {sc.name} (CPU experts joined by {labels[join]}): "
+                  f"{statistics.median(r['before_tok_s'] for r in serial):.1f} tok/s without overlap, "
+                  f"{statistics.median(r['before_tok_s'] for r in dual_runs):.1f} with dual-batch overlap "
+                  f"(median of {len(ratios)} rounds' ratios {statistics.median(ratios):.3f})", file=sys.stderr)
     return out
 
 

@@ -5,7 +5,12 @@ bench=kernels generates every expert of the layer (11 GB for 256 experts: minute
 turn, so every expert's bytes still come from DRAM. Each expert gets exactly `--tokens-per-expert` tokens (16: the
 T = 512 case of top-8 over 256 experts), or with `--routing random` that many on average, each token's top-k drawn
 uniformly as bench=kernels draws them. Prints time, GB/s of expert bytes against the read roof measured in the
-same run, and TFLOP/s, per kernel variant."""
+same run, and TFLOP/s, per kernel variant.
+
+`--lanes N`: decode's two-request step instead, N times per way, side by side: one call of two tokens; two one-token
+calls in turn (each joined before the next is submitted: a job's tail and the next one's start do not overlap); two
+one-token calls queued (dual-batch decode's two lanes, an op and its twin: the pool's workers go from one to the
+next as each runs out of tasks). Each step routes both tokens afresh."""
 from __future__ import annotations
 
 import argparse
@@ -42,6 +47,8 @@ def main(argv=None) -> None:
     ap.add_argument("--amx-min-tokens", type=int, default=None, help="tokens per expert from which the amx variant "
                     "runs AMX tiles (default: policy.cpu.amx_min_tokens's default)")
     ap.add_argument("--roof-gb", type=float, default=4.0, help="buffer of the read-roof probe (GB)")
+    ap.add_argument("--lanes", type=int, default=0, help="time decode's two-request step this many times per way "
+                    "(one two-token call, two one-token calls in turn, two queued) instead of the layer")
     a = ap.parse_args(argv)
     E, tpe, K, D, I = a.experts, a.tokens_per_expert, a.top_k, 7168, 2048
     if (E * tpe) % K:
@@ -67,6 +74,9 @@ def main(argv=None) -> None:
     print(f"{threads()} threads, read roof {roof:.1f} GB/s; one layer: {E} experts ({n} distinct), T = {T}, "
           f"{tpe} tokens per expert ({a.routing}: {int(counts.min())}-{int(counts.max())}), {gb:.1f} GB of experts")
     have = set(available())
+    if a.lanes:
+        return lanes(a, [k for k in a.kernels.split(",") if k in have], turn(w[0]), turn(w[1]), turn(w[2]),
+                     turn(s[0]), turn(s[1]), turn(s[2]), roof)
     for kernel in a.kernels.split(","):
         if kernel not in have:
             print(f"{kernel}: not on this CPU, skipped")
@@ -81,6 +91,39 @@ def main(argv=None) -> None:
         best, med = min(ts), sorted(ts)[len(ts) // 2]
         print(f"{kernel:12s} best {best * 1e3:7.1f} ms  median {med * 1e3:7.1f} ms  {gb / best:6.1f} GB/s "
               f"({gb / best / roof:4.0%} of the roof)  {flop / best / 1e12:5.2f} TFLOP/s")
+
+
+def lanes(a, kernels: list[str], gate, up, down, gs, us, ds, roof: float) -> None:
+    """Decode's two-request step three ways, interleaved step by step (the host's bandwidth drifts)."""
+    E, K, D = len(gate), a.top_k, gate[0].shape[1]
+    per_expert = 3 * gate[0].numel()  # FP8: one byte per weight
+    for kernel in kernels:
+        op = CpuMoE(gate, up, down, gs, us, ds, kernel=kernel)
+        twin = op.twin()
+        ways = {"one call of 2 tokens": [], "two calls in turn": [], "two calls queued": []}
+        read = 0
+        for step in range(a.lanes + 1):
+            ids = torch.stack([torch.randperm(E)[:K] for _ in range(2)])
+            x, wts = torch.randn(2, D).to(torch.bfloat16), torch.rand(2, K)
+            read = len(set(ids.flatten().tolist())) * per_expert
+            for way in ways:
+                t0 = time.perf_counter()
+                if way.startswith("one"):  # submitted, as decode's host nodes do (the pool's workers alone)
+                    op.submit(x, ids, wts), op.wait()
+                elif way.endswith("turn"):
+                    op.submit(x[:1], ids[:1], wts[:1]), op.wait()
+                    twin.submit(x[1:], ids[1:], wts[1:]), twin.wait()
+                else:
+                    op.submit(x[:1], ids[:1], wts[:1]), twin.submit(x[1:], ids[1:], wts[1:])
+                    op.wait(), twin.wait()
+                if step:  # the first step warms up
+                    ways[way].append((time.perf_counter() - t0, read))
+        for way, runs in ways.items():
+            ts = sorted(t for t, _ in runs)
+            med = ts[len(ts) // 2]
+            gbs = sorted(r / t / 1e9 for t, r in runs)[len(runs) // 2]
+            print(f"{kernel:12s} {way:22s} median {med * 1e3:6.2f} ms  best {ts[0] * 1e3:6.2f} ms  "
+                  f"{gbs:6.1f} GB/s of experts ({gbs / roof:4.0%} of the roof)")
 
 
 if __name__ == "__main__":

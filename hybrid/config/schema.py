@@ -188,10 +188,12 @@ class DecodePolicy:
     dual_batch: bool = False  # >= 2 decoding: two micro-batches, one's GPU work beside the other's CPU experts
     batch_invariant: bool = False  # GPU: a sequence's decode numbers independent of its batch mates (placement)
     mapped_outputs: bool = True  # GPU: the CPU experts' outputs read in place from pinned memory, not copied back
+    cpu_join: Optional[str] = None  # hostfn graphs: the GPU waits for the CPU experts on a signal word | a host node
 
     def __post_init__(self) -> None:
         _at_least(self, "decode", 1, "batch_cap")
         _one_of(self, "decode", "cuda_graphs", ("hostfn", "segments", "off"))
+        _one_of(self, "decode", "cpu_join", (None, "signal", "host"))
 
 
 @dataclass
@@ -284,7 +286,9 @@ class BenchConfig:
     scenarios: List[str] = field(default_factory=lambda: ["1D", "2D", "4D", "1P", "1P+1D", "1P+2D"])
     long_prompt_tokens: int = 32768  # P's prompt
     stream_caps: List[float] = field(default_factory=list)  # 1P+1D again at each policy.prefill.stream_cap_gbps (0: none)
-    dual_batch: bool = False  # concurrency: the nD scenarios (n >= 2) again with policy.decode.dual_batch flipped
+    dual_batch: bool = False  # concurrency: the nD scenarios (n >= 2) again without and with policy.decode.dual_batch
+    dual_rounds: int = 1  # ... both ways in turn this many times (medians reported)
+    cpu_joins: List[Optional[str]] = field(default_factory=list)  # ... at each policy.decode.cpu_join (none: policy's)
     beside_cores: List[int] = field(default_factory=list)  # 1P+1D again at each policy.prefill.beside_cores
     attention_chunks: List[int] = field(default_factory=list)  # ... at each policy.prefill.attention_chunk_tokens
     stream_queues: List[int] = field(default_factory=list)  # ... at each policy.prefill.stream_queue_mb
@@ -295,7 +299,10 @@ class BenchConfig:
         if (min([*self.ms, *self.moe_tokens, *self.gemm_rows, *self.group_sweep, *self.batches], default=1) < 1
                 or self.repeats < 1):
             raise ValueError("bench: token counts, group sizes and repeats must be >= 1")
-        for knob in ("prompt_tokens", "new_tokens", "batch", "long_prompt_tokens"):
+        for join in self.cpu_joins:
+            if join not in (None, "signal", "host"):
+                raise ValueError(f"bench.cpu_joins: each one of null, signal, host, got {join!r}")
+        for knob in ("prompt_tokens", "new_tokens", "batch", "long_prompt_tokens", "dual_rounds"):
             if getattr(self, knob) < 1:
                 raise ValueError(f"bench.{knob} must be >= 1, got {getattr(self, knob)}")
         if self.roof_gb < 0:

@@ -34,11 +34,18 @@ PYBIND11_MODULE(_native, m) {
       .def(py::init<const std::vector<View>&, const std::vector<View>&, const std::vector<View>&,
                     const std::vector<View>&, const std::vector<View>&, const std::vector<View>&>())
       .def("forward", &MoELayer::forward, nogil())
-      .def("submit", &MoELayer::submit, nogil())
+      .def(
+          "submit",
+          [](MoELayer& m, const View& x, const View& ids, const View& w, const View& out, const std::string& isa) {
+            m.submit(x, ids, w, out, isa);
+          },
+          nogil())
       .def("wait", &MoELayer::wait, nogil())
       .def_property_readonly("global_syncs", &MoELayer::last_global_syncs);
   py::class_<HostJob>(m, "HostJob")
-      .def(py::init<MoELayer*, View, View, View, View, std::string>(), py::keep_alive<1, 2>())
+      .def(py::init<MoELayer*, View, View, View, View, std::string, uintptr_t>(), py::arg("layer"), py::arg("x"),
+           py::arg("ids"), py::arg("weights"), py::arg("out"), py::arg("isa"), py::arg("signal") = 0,
+           py::keep_alive<1, 2>())
       .def_property_readonly("address", [](HostJob& j) { return reinterpret_cast<uintptr_t>(&j); })
       .def_readwrite("error", &HostJob::error)
       .def_readwrite("calls", &HostJob::calls)

@@ -13,18 +13,31 @@ int64_t now_ns() {
 }
 }  // namespace
 
-HostJob::HostJob(MoELayer* layer_, View x_, View ids_, View weights_, View out_, std::string isa_)
+HostJob::HostJob(MoELayer* layer_, View x_, View ids_, View weights_, View out_, std::string isa_, uintptr_t signal_)
     : layer(layer_), x(std::move(x_)), ids(std::move(ids_)), weights(std::move(weights_)), out(std::move(out_)),
-      isa(std::move(isa_)) {}
+      isa(std::move(isa_)), signal(reinterpret_cast<uint32_t*>(signal_)) {}
+
+namespace {
+void raise_signal(HostJob* job, uint32_t v) {
+  if (job->signal) __atomic_store_n(job->signal, v, __ATOMIC_RELEASE);
+}
+}  // namespace
 
 extern "C" void hybrid_host_submit(void* p) {
   auto* job = static_cast<HostJob*>(p);
+  job->layer->wait();  // the previous call (complete already where the stream waited for its signal)
   job->t_submit_ns = now_ns();
-  if (!job->error.empty()) return;  // a failed job stays failed until Python has seen it
+  raise_signal(job, 0);
+  if (!job->error.empty()) return raise_signal(job, 1);  // a failed job stays failed until Python has seen it
   try {
-    job->layer->submit(job->x, job->ids, job->weights, job->out, job->isa);
+    job->layer->submit(job->x, job->ids, job->weights, job->out, job->isa, [job] {
+      job->cpu_s += (now_ns() - job->t_submit_ns) * 1e-9;
+      ++job->calls;
+      raise_signal(job, 1);
+    });
   } catch (const std::exception& e) {
     job->error = e.what();
+    raise_signal(job, 1);  // nothing runs: the stream must not wait for it
   }
 }
 
@@ -35,8 +48,6 @@ extern "C" void hybrid_host_wait(void* p) {
   } catch (const std::exception& e) {
     if (job->error.empty()) job->error = e.what();
   }
-  job->cpu_s += (now_ns() - job->t_submit_ns) * 1e-9;
-  ++job->calls;
 }
 
 }  // namespace hybrid

@@ -31,11 +31,14 @@ struct MoELayer::Plan {
   std::vector<int64_t> slot_row;      // per (t, k): its grouped row
   std::vector<Task> tasks;
   std::unique_ptr<std::atomic<int>[]> gu_left, prep;  // per used expert
-  std::atomic<int64_t> next_task{0}, next_reduce{0};
+  // per (token, down chunk): the token's experts whose down rows of that chunk are still to come
+  std::unique_ptr<std::atomic<int>[]> reduce_left;
+  std::atomic<int64_t> next_task{0};
   std::atomic<int> arrived{0};
   std::atomic<int> syncs{0};  // global synchronisation points passed by the current call
+  std::function<void()> on_done;  // called by the last participant out of a submitted call
   int threads = 1;
-  int64_t reduce_chunk = 0, n_reduce = 0, ldxp = 0, ldh = 0;
+  int64_t d_chunk = 0, n_chunks = 0, ldxp = 0, ldh = 0;
   Scratch<uint16_t> xg, xprep, h;
   Scratch<float> g, u, y;
 };
@@ -141,10 +144,12 @@ void MoELayer::plan(const View& x, const View& ids, const View& weights, const V
   }
 }
 
-void MoELayer::submit(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa) {
+void MoELayer::submit(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa,
+                      std::function<void()> on_done) {
   if (pending_) fail("a previous submit() has not been waited for");
   plan(x, ids, weights, out);
   schedule(isa, pool().async_size());
+  p_->on_done = std::move(on_done);
   pending_ = true;
   ticket_ = pool().submit([this](int worker) { run_job(worker); });
 }
@@ -153,6 +158,7 @@ void MoELayer::forward(const View& x, const View& ids, const View& weights, cons
   if (pending_) fail("a previous submit() has not been waited for");
   plan(x, ids, weights, out);
   schedule(isa, pool().size());
+  p_->on_done = nullptr;
   pool().run([this](int worker) { run_job(worker); });
   ++p_->syncs;  // the end of the job
 }
@@ -182,6 +188,7 @@ void MoELayer::schedule(const std::string& isa, int participants) {
   const int64_t per_expert = std::max<int64_t>(1, (8 * p.threads + n_used - 1) / std::max<int64_t>(n_used, 1));
   const int64_t gu_chunk = round_up((I_ + per_expert - 1) / per_expert, 64);
   const int64_t d_chunk = round_up((D_ + per_expert - 1) / per_expert, 16);
+  p.d_chunk = d_chunk, p.n_chunks = (D_ + d_chunk - 1) / d_chunk;
   p.tasks.clear();
   auto push = [&](int32_t e, int32_t stage, int64_t n, int64_t chunk) {
     for (int64_t r = 0; r < n; r += chunk) p.tasks.push_back({e, stage, r, std::min(n, r + chunk)});
@@ -202,9 +209,16 @@ void MoELayer::schedule(const std::string& isa, int participants) {
     if (e >= lag) push(e - lag, 1, D_, d_chunk);
   }
   for (int64_t e = std::max<int64_t>(0, n_used - lag); e < n_used; ++e) push(int32_t(e), 1, D_, d_chunk);
-  p.reduce_chunk = std::min<int64_t>(D_, 512);
-  p.n_reduce = p.T * ((D_ + p.reduce_chunk - 1) / p.reduce_chunk);
-  p.next_task = 0, p.next_reduce = 0, p.arrived = 0, p.syncs = 0;
+  // Each (token, chunk) is summed by whoever finishes the last of its experts' down rows there: no barrier.
+  // A token with no expert here (all computed elsewhere) is summed (to zeros) now.
+  p.reduce_left.reset(new std::atomic<int>[p.T * p.n_chunks]);
+  for (int64_t t = 0; t < p.T; ++t) {
+    int n = 0;
+    for (int64_t k = 0; k < p.K; ++k) n += p.slot_row[t * p.K + k] >= 0;
+    for (int64_t j = 0; j < p.n_chunks; ++j) p.reduce_left[t * p.n_chunks + j].store(n, std::memory_order_relaxed);
+    if (n == 0) reduce(t, 0, D_);
+  }
+  p.next_task = 0, p.arrived = 0, p.syncs = 0;
 }
 
 void MoELayer::wait() {
@@ -263,11 +277,18 @@ void MoELayer::down(int e, int64_t r0, int64_t r1, uint16_t* tile) {
   const uint16_t* h = p.h.data() + p.prow0[e] * p.ldh;
   const GemmProblem q{h, p.ldh, w.down, w.ld_d, w.ds, w.lds_d, p.y.data() + base * D_, D_, p.rows[e], D_, I_, wt_};
   gemm_rows(p.isa, q, plain ? nullptr : h, r0, r1, tile);
+  const int64_t j = r0 / p.d_chunk;  // down tasks are whole chunks
+  for (int64_t r = 0; r < p.rows[e]; ++r) {
+    const int64_t t = p.token[base + r];
+    if (p.reduce_left[t * p.n_chunks + j].fetch_sub(1, std::memory_order_acq_rel) == 1) reduce(t, r0, r1);
+  }
 }
 
 void MoELayer::reduce(int64_t t, int64_t d0, int64_t d1) {
+  constexpr int64_t kPiece = 512;
+  for (; d1 - d0 > kPiece; d0 += kPiece) reduce(t, d0, d0 + kPiece);
   Plan& p = *p_;
-  float acc[512];
+  float acc[kPiece];
   for (int64_t d = d0; d < d1; ++d) acc[d - d0] = 0.f;
   for (int64_t k = 0; k < p.K; ++k) {
     const int64_t row = p.slot_row[t * p.K + k];
@@ -295,13 +316,8 @@ void MoELayer::run_job(int) {
     if (t.stage == 0) gate_up(t.expert, t.r0, t.r1, tile);
     else down(t.expert, t.r0, t.r1, tile);
   }
-  if (p.arrived.fetch_add(1, std::memory_order_acq_rel) == p.threads - 1) ++p.syncs;  // every down projection done
-  while (p.arrived.load(std::memory_order_acquire) < p.threads) _mm_pause();
-  const int64_t per_token = (D_ + p.reduce_chunk - 1) / p.reduce_chunk;
-  for (int64_t i; (i = p.next_reduce.fetch_add(1)) < p.n_reduce;) {
-    const int64_t t = i / per_token, d0 = (i % per_token) * p.reduce_chunk;
-    reduce(t, d0, std::min(D_, d0 + p.reduce_chunk));
-  }
+  // A participant with no task left goes on to the pool's next job; the last one out ends the call.
+  if (p.arrived.fetch_add(1, std::memory_order_acq_rel) == p.threads - 1 && p.on_done) p.on_done();
 }
 
 }  // namespace hybrid

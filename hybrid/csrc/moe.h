@@ -4,10 +4,13 @@
 // Tokens are grouped by expert. One job on the thread pool pulls tasks from one list: gate/up tasks split each
 // expert's intermediate rows across threads (SiLU ⊙ fused, the result written straight in the layout the down
 // kernel reads); an expert's down tasks (split along the hidden rows) start as soon as that expert's own gate/up
-// tasks finish (a per-expert counter, no global barrier). Then one barrier, and the weighted sum over k per token.
-// Global synchronisations per layer: 2 (that barrier and the end of the job).
+// tasks finish (a per-expert counter, no global barrier). The weighted sum over k of a token's chunk of hidden rows is
+// taken by whoever finishes the last of its experts' down rows there (a per-(token, chunk) counter; the sum in k
+// order whoever takes it). No barrier: a thread with no task left leaves for the pool's next job.
+// Global synchronisations per layer: 1 (the end of the job).
 #pragma once
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,7 +36,9 @@ class MoELayer {
   // submit() returns at once (the pool's workers run the layer; the caller's core stays free), wait() joins.
   // One call at a time per object; two objects over the same weights (two decode lanes) may each have one
   // pending: the pool runs them one after the other, each wait() joining its own.
-  void submit(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa);
+  // on_done, if given, is called on a worker once the call is complete (before wait() would return).
+  void submit(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa,
+              std::function<void()> on_done = nullptr);
   void wait();
   // The same, synchronously, with the calling thread working too.
   void forward(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa);

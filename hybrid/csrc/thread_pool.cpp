@@ -62,15 +62,17 @@ ThreadPool::~ThreadPool() {
 }
 
 uint64_t ThreadPool::post(std::function<void(int)> fn, int first_index) {
-  std::lock_guard<std::mutex> posting(post_mu_);  // one poster at a time, each after the job before it
-  wait();
-  uint64_t ticket;
+  std::lock_guard<std::mutex> posting(post_mu_);  // one poster at a time: tickets in posting order
+  const uint64_t ticket = generation_.load(std::memory_order_relaxed) + 1;
+  Slot& slot = slots_[ticket % kQueued];
+  wait(slot.ticket.load(std::memory_order_acquire));  // the job kQueued before: its slot is reused
   {
     std::lock_guard<std::mutex> lock(mu_);
-    job_ = std::move(fn);
-    first_index_ = first_index;
-    pending_.store(int(workers_.size()), std::memory_order_relaxed);
-    ticket = generation_.fetch_add(1, std::memory_order_release) + 1;
+    slot.fn = std::move(fn);
+    slot.first_index = first_index;
+    slot.pending.store(int(workers_.size()), std::memory_order_relaxed);
+    slot.ticket.store(ticket, std::memory_order_release);
+    generation_.store(ticket, std::memory_order_release);
   }
   wake_.notify_all();
   return ticket;
@@ -78,6 +80,7 @@ uint64_t ThreadPool::post(std::function<void(int)> fn, int first_index) {
 
 void ThreadPool::run(const std::function<void(int)>& fn) {
   if (workers_.empty()) return fn(0);
+  wait();  // the caller's part must not start before the jobs posted earlier are done
   const uint64_t ticket = post(fn, 1);
   fn(0);
   wait(ticket);
@@ -86,21 +89,19 @@ void ThreadPool::run(const std::function<void(int)>& fn) {
 uint64_t ThreadPool::submit(std::function<void(int)> fn) {
   if (workers_.empty()) {
     fn(0);
-    return generation_.load(std::memory_order_acquire);  // done already: wait(ticket) returns at once
+    return 0;  // done already: wait(0) returns at once
   }
   return post(std::move(fn), 0);
 }
 
-void ThreadPool::wait() {
-  if (spin_until([this] { return pending_.load(std::memory_order_acquire) == 0; })) return;
-  std::unique_lock<std::mutex> lock(mu_);
-  done_.wait(lock, [this] { return pending_.load(std::memory_order_acquire) == 0; });
-}
+void ThreadPool::wait() { wait(generation_.load(std::memory_order_acquire)); }
 
-// Job `ticket` is done once its workers are (pending_ 0 while it is the latest) or a later job was posted (a post
-// waits for the job before it).
+// Job `ticket` is done once its workers are, or its slot holds a later job (a post waits for the job it replaces).
+// Workers run jobs in ticket order, so a job done means every earlier one is too.
 bool ThreadPool::done(uint64_t ticket) const {
-  return generation_.load(std::memory_order_acquire) != ticket || pending_.load(std::memory_order_acquire) == 0;
+  const Slot& slot = slots_[ticket % kQueued];
+  return ticket == 0 || slot.ticket.load(std::memory_order_acquire) != ticket ||
+         slot.pending.load(std::memory_order_acquire) == 0;
 }
 
 void ThreadPool::wait(uint64_t ticket) {
@@ -110,16 +111,16 @@ void ThreadPool::wait(uint64_t ticket) {
 }
 
 void ThreadPool::loop(int index) {
-  uint64_t seen = 0;
-  for (;;) {
-    if (!spin_until([&] { return generation_.load(std::memory_order_acquire) != seen || stop_.load(); })) {
+  for (uint64_t next = 1;; ++next) {  // the ticket this worker runs next
+    const auto posted = [&] { return generation_.load(std::memory_order_acquire) >= next || stop_.load(); };
+    if (!spin_until(posted)) {
       std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen || stop_.load(); });
+      wake_.wait(lock, posted);
     }
-    if (stop_.load()) return;
-    seen = generation_.load(std::memory_order_acquire);
-    job_(index + first_index_);
-    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    if (generation_.load(std::memory_order_acquire) < next) return;  // stopped with nothing left to run
+    Slot& slot = slots_[next % kQueued];
+    slot.fn(index + slot.first_index);
+    if (slot.pending.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       std::lock_guard<std::mutex> lock(mu_);
       done_.notify_all();
     }

@@ -3,9 +3,12 @@
 // alone run fn(i) for i in [0, async_size()) while the caller goes on with its own work until wait(); with no
 // workers it runs fn(0) at once. Workers spin briefly between jobs (decode issues one job per layer, so wake-up
 // latency matters), then sleep.
-// One job runs at a time. submit() and run() may be called from several threads (two decode lanes' host
-// functions): a call waits for the job before it, then posts its own. submit() returns the job's ticket;
-// wait(ticket) joins that job only (a later one may already be running), wait() whichever is running.
+// Jobs queue: every worker runs the posted jobs in the order they were posted, so a worker done with its part of
+// one job goes on to the next at once (a submitted job's tail overlaps the next one's start: two decode lanes'
+// MoE calls keep the cores busy across their hand-offs). Up to kQueued jobs are in flight; a post beyond that
+// waits for the oldest. run() first waits for every job before it (its caller works on the job too), submit()
+// does not. submit() and run() may be called from several threads (two decode lanes' host functions).
+// submit() returns the job's ticket; wait(ticket) joins that job only, wait() every job posted so far.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -32,15 +35,20 @@ class ThreadPool {
   void wait(uint64_t ticket);
 
  private:
+  static constexpr int kQueued = 4;
+  struct Slot {
+    std::function<void(int)> fn;
+    int first_index = 0;
+    std::atomic<int> pending{0};     // workers yet to finish it
+    std::atomic<uint64_t> ticket{0};  // the job in this slot (ticket % kQueued == the slot)
+  };
   uint64_t post(std::function<void(int)> fn, int first_index);
   bool done(uint64_t ticket) const;
   void loop(int index);
 
   std::vector<std::thread> workers_;
-  std::function<void(int)> job_;
-  int first_index_ = 0;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> pending_{0};
+  Slot slots_[kQueued];
+  std::atomic<uint64_t> generation_{0};  // the latest job's ticket (tickets count from 1)
   std::atomic<bool> stop_{false};
   std::mutex mu_, post_mu_;
   std::condition_variable wake_, done_;

@@ -69,6 +69,7 @@ REBUILDABLE = frozenset({"cpu.threads", "cpu.gemm_tile_tokens", "cpu.amx_min_tok
                          "prefill.attention_chunk_tokens", "prefill.beside_cores", "prefill.stream_queue_mb",
                          "prefill.beside_sms",
                          "decode.batch_cap", "decode.cuda_graphs", "decode.dual_batch", "decode.mapped_outputs",
+                         "decode.cpu_join",
                          "gpu.experts_per_layer"})
 
 
@@ -236,15 +237,20 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
     graphs = graphs_apply(s, device)
     decode = None
     mapped = placed.staging.pin and p.decode.mapped_outputs
-    same_outputs = previous is not None and previous.plan.mapped_outputs == mapped
+    join = "host"
+    if graphs and p.decode.cuda_graphs == "hostfn":
+        from hybrid.engine.cuda_graphs import cpu_join, stream_waits  # GPU only: loads the CUDA driver's entry point
+
+        join = cpu_join(p.decode.cpu_join, stream_waits(device))
+    same_handoff = previous is not None and (previous.plan.mapped_outputs, previous.plan.cpu_join) == (mapped, join)
     placed.staging.mapped = mapped
     if graphs:
-        # graphs captured with these slots and the same hand-off of the CPU experts' outputs
-        decode = previous.decoder(p.decode.cuda_graphs) if same_hot and same_outputs else None
+        # graphs captured with these slots and the same hand-off of the CPU experts (their join and outputs)
+        decode = previous.decoder(p.decode.cuda_graphs) if same_hot and same_handoff else None
         if decode is None:
             from hybrid.engine.cuda_graphs import GraphedDecode  # GPU only: loads the CUDA driver's entry point
 
-            decode = GraphedDecode(model, cache, placed.staging, p.decode.cuda_graphs, p.kv.max_batch)
+            decode = GraphedDecode(model, cache, placed.staging, p.decode.cuda_graphs, p.kv.max_batch, join)
     plan = Plan(device=device, threads=threads, cpu_kernel=selected(p.cpu.kernel) if placed.native else "torch",
                 cpu_gemm_tile_tokens=p.cpu.gemm_tile_tokens, cpu_amx_min_tokens=p.cpu.amx_min_tokens,
                 moe_backend=p.cpu.moe_backend, cpu_lm_head=cpu_lm_head(p, device, placed.native),
@@ -260,7 +266,7 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
                 prefill_sms=prefill_sms(device, p.prefill.beside_sms) if p.prefill.beside_decode else None,
                 gpu_weights=p.gpu.weights, gpu_fp8_gemm=p.gpu.fp8_gemm, gpu_fp8_dequant_rows=p.gpu.fp8_dequant_rows,
                 cuda_graphs=p.decode.cuda_graphs if graphs else "off", dual_batch=p.decode.dual_batch,
-                mapped_outputs=mapped,
+                mapped_outputs=mapped, cpu_join=join,
                 gpu_experts_per_layer=p.gpu.experts_per_layer, gpu_pad_rows=placed.gemm.pad_rows, ledger=ledger)
     print(plan.describe(), file=sys.stderr)
     after = functools.partial(_refresh, hot) if hot else None

@@ -4,11 +4,12 @@ Eager decode is launch-bound at small batches: an MLA layer is dozens of small k
 step's kernels with one launch. The routed experts run on the CPU in the middle of every MoE layer, and two ways of
 putting that hand-off in a graph are built (the decode bench measures both against eager):
 
-- `hostfn`: ONE graph per step. Each MoE layer's CPU call becomes two host nodes (cuLaunchHostFunc, as
-  KTransformers does): the first starts the native MoE op on the thread pool over the pinned staging buffers the
-  graph has just copied the router's output into, and returns at once; the shared expert's kernels follow on the
-  GPU; the second host node joins the CPU op, after which the graph copies the experts' output back. No Python
-  runs during a step.
+- `hostfn`: ONE graph per step. Each MoE layer's CPU call starts with a host node (cuLaunchHostFunc, as
+  KTransformers does) that submits the native MoE op to the thread pool over the pinned staging buffers the graph
+  has just copied the router's output into, and returns at once; the shared expert's kernels follow on the GPU;
+  then the graph joins the CPU op (`policy.decode.cpu_join`): `signal`, the stream waits for a word of pinned
+  memory that the op's last worker sets (cuStreamWaitValue32: no host thread waits); `host`, a second host node
+  joins it. Then the experts' output is read back. No Python runs during a step.
 - `segments`: the step cut at every hand-off into graphs (before the hand-off / the shared expert / after it);
   Python replays them in turn and runs the CPU op between them, after the first graph's copies are done.
 
@@ -24,8 +25,10 @@ with graphs of its own (a lane: the mode's graphs, its own memory pool, staging 
 second lane a twin of each layer's native op, so both lanes' calls of a layer can be pending at once), so the GPU
 computes one micro-batch's attention and shared experts while the CPU computes the other's routed experts:
 - `hostfn`: each lane's step is one graph, replayed on its own stream; the two streams' host nodes hand the CPU
-  experts to the thread pool, which runs one call at a time in the order they come (a submit waits for the call
-  before it; each wait joins its own call). No Python runs between the lanes.
+  experts to the thread pool, which queues the calls in the order they come: a worker done with one lane's call
+  goes on to the other's (each join waits for its own call). With `signal` joins no host function blocks, so one
+  lane's submit never waits behind the other's join (CUDA may run all host functions on one thread). No Python
+  runs between the lanes.
 - `segments`: `interleave` enqueues one micro-batch's GPU segment, then the other's, and runs the CPU experts of
   each in turn from Python.
 
@@ -38,7 +41,7 @@ import ctypes
 import functools
 import sys
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Sequence
+from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 
@@ -46,10 +49,12 @@ from hybrid import _native
 from hybrid.engine.placement import CpuExperts, DeferredCpuExperts, ExpertsWrapper, cpu_experts, swap_experts
 from hybrid.engine.staging import Staging
 from hybrid.engine.streams import decode_stream
+from hybrid.errors import ConfigError
 from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
 
 MODES = ("off", "hostfn", "segments")
+JOINS = ("host", "signal")
 MIN_BUCKET = 256
 BUCKETS_PER_OCTAVE = 8
 
@@ -65,17 +70,69 @@ def kv_bucket(kv_len: int, max_context: int) -> int:
 
 
 class HostFunctions:
-    """cuLaunchHostFunc from the CUDA driver: enqueue a native host function (an address) on the current stream."""
+    """From the CUDA driver: cuLaunchHostFunc (enqueue a native host function, an address, on the current stream)
+    and cuStreamWaitValue32 (the current stream waits until a 32-bit word, here of pinned host memory, equals a
+    value; captured into a graph as a memory-operation node)."""
 
     def __init__(self):
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc  # the driver is loaded once per process by ctypes
+        lib = ctypes.CDLL("libcuda.so.1")  # the driver is loaded once per process by ctypes
+        fn = lib.cuLaunchHostFunc
         fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
         self._launch = fn
+        wait = getattr(lib, "cuStreamWaitValue32_v2", None) or getattr(lib, "cuStreamWaitValue32", None)
+        if wait is not None:
+            wait.argtypes, wait.restype = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint], \
+                ctypes.c_int
+        self._wait = wait
 
     def launch(self, fn: int, arg: int) -> None:
         rc = self._launch(torch.cuda.current_stream().cuda_stream, fn, arg)
         if rc != 0:
             raise RuntimeError(f"cuLaunchHostFunc failed (CUresult {rc})")
+
+    def wait_value(self, word: torch.Tensor, value: int) -> int:
+        """The current stream waits until `word` (one int32 of pinned memory: its address is valid on the GPU under
+        unified addressing) equals `value`; the CUresult (0: queued)."""
+        if self._wait is None:
+            return -1
+        return self._wait(torch.cuda.current_stream().cuda_stream, word.data_ptr(), value, 0)  # 0: ..._WAIT_VALUE_EQ
+
+
+@functools.lru_cache(maxsize=None)
+def stream_waits(device: torch.device) -> bool:
+    """Whether a stream on `device` can wait for a word of pinned host memory, also inside a CUDA graph (tried once
+    per process, on a word that already holds the value)."""
+    word, host = torch.ones(1, dtype=torch.int32).pin_memory(), HostFunctions()
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        if host.wait_value(word, 1) != 0:
+            return False
+    side.synchronize()
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)  # and inside a graph
+    try:
+        with torch.cuda.stream(side):
+            graph.capture_begin()
+            try:
+                rc = host.wait_value(word, 1)
+            finally:
+                graph.capture_end()
+        graph.replay()
+        side.synchronize()
+    except RuntimeError:
+        return False
+    return rc == 0
+
+
+def cpu_join(wanted: Optional[str], supported: bool) -> str:
+    """policy.decode.cpu_join resolved: null = `signal` where streams can wait for host memory, else `host`."""
+    if wanted is None:
+        return "signal" if supported else "host"
+    if wanted not in JOINS:
+        raise ConfigError(f"policy.decode.cpu_join must be one of null, {', '.join(JOINS)}, got {wanted!r}")
+    if wanted == "signal" and not supported:
+        raise ConfigError("policy.decode.cpu_join=signal needs CUDA stream memory operations (cuStreamWaitValue32 "
+                          "on pinned host memory), which this driver refused; set it to host or null")
+    return wanted
 
 
 _host_call = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # a native host function called from Python (segments)
@@ -83,21 +140,29 @@ _submit, _wait = _host_call(_native.host_submit_fn), _host_call(_native.host_wai
 
 
 class _HostFnCapture:
-    """`hostfn`: one graph; the hand-off is a pair of host nodes around the work that overlaps it."""
+    """`hostfn`: one graph; the hand-off is a host node submitting the CPU op before the work that overlaps it,
+    and a join after: the stream waiting for the op's signal word (`signal`), or a host node (`host`)."""
 
-    def __init__(self, pool):
-        self.host, self.jobs = HostFunctions(), []
+    def __init__(self, pool, join: str = "host"):
+        self.host, self.jobs, self.join = HostFunctions(), [], join
         self.graph = torch.cuda.CUDAGraph()
         self.graph.capture_begin(pool=pool)
 
     def handoff_start(self, op, x_h, ids_h, w_h, out_h):
-        job = op.host_job(x_h, ids_h, w_h, out_h)
-        self.jobs.append((job, op))  # the op (and the weights it holds) lives as long as the graph
+        signal = torch.zeros(1, dtype=torch.int32, pin_memory=True) if self.join == "signal" else None
+        job = op.host_job(x_h, ids_h, w_h, out_h, signal=signal)
+        self.jobs.append((job, op, signal))  # the op (and the weights it holds) lives as long as the graph
         self.host.launch(_native.host_submit_fn, job.address)
-        return job
+        return job, signal
 
-    def handoff_end(self, job) -> None:
-        self.host.launch(_native.host_wait_fn, job.address)
+    def handoff_end(self, handoff) -> None:
+        job, signal = handoff
+        if signal is None:
+            self.host.launch(_native.host_wait_fn, job.address)
+            return
+        rc = self.host.wait_value(signal, 1)
+        if rc != 0:
+            raise RuntimeError(f"cuStreamWaitValue32 failed (CUresult {rc}): policy.decode.cpu_join=host")
 
     def finish(self) -> list[Callable[[], None]]:
         self.graph.capture_end()
@@ -121,7 +186,7 @@ class _SegmentCapture:
 
     def handoff_start(self, op, x_h, ids_h, w_h, out_h):
         job = op.host_job(x_h, ids_h, w_h, out_h)
-        self.jobs.append((job, op))
+        self.jobs.append((job, op, None))
         staged = torch.cuda.Event()
         self._close()
         self.steps.append(staged.record)
@@ -176,7 +241,7 @@ class _Captured:
 class _Graph:
     steps: list[Callable[[], None]]
     logits: torch.Tensor
-    jobs: list  # (native job, CpuMoE) per MoE layer
+    jobs: list  # (native job, CpuMoE, its signal word or None) per MoE layer
 
 
 class _Lane:
@@ -217,12 +282,15 @@ class GraphedDecode:
     """decode(tokens_B1, pos_B1, slots_B, kv_len) -> logits_BV through captured graphs (same result as
     `model(...)[:, -1]`); `dual(...)` runs two micro-batches' steps overlapped."""
 
-    def __init__(self, model: Transformer, cache: KVCache, staging: Staging, mode: str, max_batch: int):
+    def __init__(self, model: Transformer, cache: KVCache, staging: Staging, mode: str, max_batch: int,
+                 join: str = "host"):
         if mode not in MODES[1:]:
             raise ValueError(f"policy.decode.cuda_graphs must be one of {MODES}, got {mode!r}")
+        if join not in JOINS:
+            raise ValueError(f"policy.decode.cpu_join must be one of {JOINS}, got {join!r}")
         if any(isinstance(layer, DeferredCpuExperts) for layer in cpu_experts(model)):
             raise ValueError("CUDA graphs need policy.cpu.deferred_experts=0")
-        self.model, self.cache, self.staging, self.mode = model, cache, staging, mode
+        self.model, self.cache, self.staging, self.mode, self.join = model, cache, staging, mode, join
         self.max_batch = max_batch
         self.device = next(model.parameters()).device
         self.main = _Lane(0, mode, self.device)
@@ -289,11 +357,11 @@ class GraphedDecode:
 
     def jobs(self) -> list:
         """The native jobs of every captured graph (their own timings: cpu_s, calls)."""
-        return [job for lane in (self.main, *self.lanes) for g in lane.graphs.values() for job, _ in g.jobs]
+        return [job for lane in (self.main, *self.lanes) for g in lane.graphs.values() for job, *_ in g.jobs]
 
     @staticmethod
     def _raise_failed(graphs: list[_Graph]) -> None:
-        failed = [job for g in graphs for job, _ in g.jobs if job.error]
+        failed = [job for g in graphs for job, *_ in g.jobs if job.error]
         if failed:
             errors = [job.error for job in failed]
             for job in failed:  # seen: the jobs run again next step
@@ -324,7 +392,8 @@ class GraphedDecode:
         with torch.cuda.stream(side), self.staging.lane(lane.index):
             self._run(lane, b, kv_len)  # warm-up (lazy initialisation must not happen during capture)
             side.synchronize()
-            capture = (_HostFnCapture if lane.mode == "hostfn" else _SegmentCapture)(lane.pool)
+            capture = (_HostFnCapture(lane.pool, self.join) if lane.mode == "hostfn"
+                       else _SegmentCapture(lane.pool))
             try:
                 _, restore = swap_experts(self.model, lambda layer: CapturedExperts(layer, capture, lane.op(layer)))
                 try:

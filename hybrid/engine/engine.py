@@ -414,7 +414,7 @@ class Engine:
             from hybrid.engine.cuda_graphs import GraphedDecode  # GPU only
 
             self._decoders[mode] = GraphedDecode(self.model, self.cache, self.parts["staging"], mode,
-                                                 self.plan.max_batch)
+                                                 self.plan.max_batch, self.plan.cpu_join)
         return self._decoders[mode]
 
     # -- tokens, text, endings --------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ class Plan:
     stream_queue_bytes: Optional[int] = None  # ... and its copies queued on the GPU at a time (None: no bound)
     prefill_sms: Optional[int] = None  # beside decode, the prefill's kernels on this many SMs (None: every SM)
     mapped_outputs: bool = False  # the CPU experts' outputs read in place from pinned memory by the GPU
+    cpu_join: str = "host"  # hostfn graphs: the GPU waits for the CPU experts on a signal word | a host node
     # GPU side
     gpu_weights: str = "dense"
     gpu_fp8_gemm: str = "triton"
@@ -71,7 +72,7 @@ class Plan:
                  f"prefill chunks of {p.prefill_chunk_tokens} tokens, "
                  + (f"attention over longer prompts in query chunks of {p.prefill_attention_chunk}"
                     if p.prefill_attention_chunk else "attention in one call per layer")
-                 + (", decode in two micro-batches " + ("overlapped (graph segments on two streams)"
+                 + (", decode in two micro-batches " + (f"overlapped ({p.cuda_graphs} graphs on two streams)"
                                                         if p.cuda_graphs != "off" else "in turn (no overlap)")
                     if p.dual_batch else "")]
         if p.device.type == "cuda":
@@ -93,7 +94,9 @@ class Plan:
             lines += [f"  stream-loading prefill above {p.slp_cutoff_tokens} tokens: ring {ring}, experts in groups "
                       f"of {p.slp_group_experts}, chunks {p.slp_chunk_tokens or 'whole prompt'}, on {gpus}, "
                       f"{beside}",
-                      f"  GPU: weights {p.gpu_weights}, FP8 GEMM {p.gpu_fp8_gemm}, CUDA graphs {p.cuda_graphs}, "
+                      f"  GPU: weights {p.gpu_weights}, FP8 GEMM {p.gpu_fp8_gemm}, CUDA graphs {p.cuda_graphs}"
+                      + (f" (CPU experts joined by {'a signal word' if p.cpu_join == 'signal' else 'a host node'})"
+                         if p.cuda_graphs == "hostfn" else "") + ", "
                       f"CPU experts' outputs {'read in place' if p.mapped_outputs else 'copied back'}, "
                       f"{p.gpu_experts_per_layer} hot experts per layer, decode "
                       + (f"batch-invariant (GEMMs padded to {p.gpu_pad_rows} rows, attention in fixed chunks)"

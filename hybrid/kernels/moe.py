@@ -66,10 +66,14 @@ class CpuMoE:
         return CpuMoE(*self._keep, kernel=self.kernel)
 
     def host_job(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-                 out_TD: torch.Tensor) -> "_native.HostJob":
-        """A call over these fixed buffers that a CUDA stream runs as two host functions (`_native.host_submit_fn`
+                 out_TD: torch.Tensor, signal: Optional[torch.Tensor] = None) -> "_native.HostJob":
+        """A call over these fixed buffers that a CUDA stream runs as host functions (`_native.host_submit_fn`
         then `_native.host_wait_fn`, with `job.address`): the buffers must stay alive and in place as long as the
-        job is used. Arguments are checked when the job runs; an error is left in `job.error`."""
+        job is used. Arguments are checked when the job runs; an error is left in `job.error`. `signal` (one int32,
+        alive as long as the job): set to 0 when the call is submitted and to 1 once it is complete (or refused), so
+        that a stream can wait for it instead of a `host_wait_fn`."""
+        if signal is not None and (signal.dtype != torch.int32 or signal.numel() != 1 or signal.device.type != "cpu"):
+            raise ValueError("host_job: signal must be one int32 in host memory")
         for name, t, dtype in (("x", x_TD, torch.bfloat16), ("ids", ids_TK, torch.int64),
                                ("weights", weights_TK, torch.float32), ("out", out_TD, torch.float32)):
             if t.dtype != dtype:
@@ -77,7 +81,7 @@ class CpuMoE:
             if not t.is_contiguous():
                 raise ValueError(f"host_job: {name} must be contiguous (the job keeps its address)")
         return _native.HostJob(self._op, view(x_TD), view(ids_TK), view(weights_TK), view(out_TD),
-                               kernel_name(self.kernel))
+                               kernel_name(self.kernel), signal.data_ptr() if signal is not None else 0)
 
     @property
     def global_syncs(self) -> int:

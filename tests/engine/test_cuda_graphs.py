@@ -11,7 +11,7 @@ from hybrid import _native
 from hybrid.config.compose import compose, to_settings
 from hybrid.engine.requests import SamplingParams
 from hybrid.engine.build import build
-from hybrid.engine.cuda_graphs import MIN_BUCKET, CapturedExperts, kv_bucket
+from hybrid.engine.cuda_graphs import MIN_BUCKET, CapturedExperts, kv_bucket, stream_waits
 from hybrid.engine.placement import CpuExperts, cpu_experts, experts_to_cpu_kernels, swap_experts
 from hybrid.engine.staging import Staging
 from hybrid.model.moe import MoE
@@ -121,18 +121,68 @@ def test_host_job_reports_a_bad_call_instead_of_crashing(tiny_dir):
         op.host_job(x, ids, w, torch.empty(256, 2).t())
 
 
+def test_signalled_host_job_raises_its_word_when_complete(tiny_dir):
+    """A job with a signal word (the stream waits for it instead of a host_wait node): the submit sets it to 0 and
+    the call's last worker to 1 once the output is written; the next submit joins the call without a host_wait;
+    a refused call raises the word too (a stream must never wait for a call that does not run)."""
+    import time
+
+    m = load_model(Checkpoint(tiny_dir), torch.float32, progress=False)
+    experts_to_cpu_kernels(m)
+    op = next(x for x in m.modules() if isinstance(x, MoE)).experts.op
+    g = torch.Generator().manual_seed(3)
+    signal = torch.full((1,), 7, dtype=torch.int32)
+    x, w = torch.randn(3, 256, generator=g).bfloat16(), torch.rand(3, 4, generator=g)
+    ids, out = torch.randint(0, 8, (3, 4), generator=g), torch.full((3, 256), float("nan"))
+    want = op(x, ids, w)
+    job = op.host_job(x, ids, w, out, signal=signal)
+    for call in range(1, 4):
+        out.fill_(float("nan"))
+        SUBMIT(job.address)
+        end = time.monotonic() + 60
+        while signal.item() != 1 and time.monotonic() < end:
+            time.sleep(1e-4)
+        assert signal.item() == 1, "the signal word was not raised"
+        assert torch.equal(out, want), f"call {call}: the output was not complete when the word was raised"
+        assert job.calls == call and job.cpu_s > 0 and not job.error
+    WAIT(job.address)  # a host_wait after the signal is harmless
+    ids[1, 2] = 999
+    SUBMIT(job.address)
+    assert signal.item() == 1 and "999 out of range" in job.error
+    with pytest.raises(ValueError, match="signal must be one int32"):
+        op.host_job(x, ids, w, out, signal=torch.zeros(2, dtype=torch.int32))
+
+
+def test_cpu_join_resolution():
+    from hybrid.engine.cuda_graphs import cpu_join
+    from hybrid.errors import ConfigError
+
+    assert cpu_join(None, True) == "signal" and cpu_join(None, False) == "host"
+    assert cpu_join("host", True) == "host" and cpu_join("signal", True) == "signal"
+    with pytest.raises(ConfigError, match=r"cpu_join=signal needs CUDA stream memory operations"):
+        cpu_join("signal", False)
+    with pytest.raises(ValueError, match=r"policy\.decode\.cpu_join must be one of null, signal, host"):
+        to_settings(compose(["policy.decode.cpu_join=spin"]))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("invariant", [False, True])
-@pytest.mark.parametrize("mode", ["hostfn", "segments"])
+@pytest.mark.parametrize("mode", ["hostfn", "hostfn:host", "segments"])
 def test_graphed_decode_matches_eager(mode, invariant):
+    """Graphs give eager's tokens; hostfn with either join of the CPU experts (auto: the signal word on a driver
+    that takes stream memory operations; host: a host node)."""
     outputs = []
+    mode, _, join = mode.partition(":")
     for graphs in ("off", mode):
         s = to_settings(compose(["+hw=h200_xeon16", "policy=default",
                                  "policy.adapt_to_hardware=true", "model.dtype=float32",
                                  f"policy.decode.cuda_graphs={graphs}", "policy.kv.max_batch=2",
-                                 "policy.decode.batch_cap=2", f"policy.decode.batch_invariant={str(invariant).lower()}"]))
+                                 "policy.decode.batch_cap=2", f"policy.decode.batch_invariant={str(invariant).lower()}",
+                                 f"policy.decode.cpu_join={join or 'null'}"]))
         engine = build(s, s.hw, progress=False)
         assert (engine.parts["graphs"] is None) == (graphs == "off") and engine.plan.cuda_graphs == graphs
+        if graphs == "hostfn":
+            assert engine.plan.cpu_join == (join or ("signal" if stream_waits(engine.plan.device) else "host"))
         assert bool(engine.plan.gpu_pad_rows) == invariant
         prompts = [list(range(2, 40)), list(range(50, 61))]  # two sequences, then one after the other ends
         out = [c.output_ids for c in engine.generate(prompts, SamplingParams(300))]  # KV buckets 256 -> 512

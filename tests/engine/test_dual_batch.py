@@ -142,12 +142,14 @@ def test_dual_batch_is_a_policy_knob_in_the_plan():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("graphs", ["hostfn", "segments"])
+@pytest.mark.parametrize("graphs", ["hostfn", "hostfn:host", "segments"])
 def test_graphed_dual_batch_keeps_solo_tokens(graphs):
     """Under graphs the two micro-batches replay on two streams at once (lanes 1 and 2): requests arriving and
-    finishing at different steps keep their solo tokens (each alone through the same engine)."""
+    finishing at different steps keep their solo tokens (each alone through the same engine); hostfn with either
+    join of the CPU experts (auto and host)."""
+    graphs, _, join = graphs.partition(":")
     s = to_settings(compose(["+hw=h200_xeon16", "policy=default",
-                             "policy.adapt_to_hardware=true", "model.dtype=float32",
+                             "policy.adapt_to_hardware=true", "model.dtype=float32", f"policy.decode.cpu_join={join or 'null'}",
                              f"policy.decode.cuda_graphs={graphs}", "policy.decode.dual_batch=true",
                              "policy.decode.batch_invariant=true",
                              "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "policy.kv.max_context=512"]))
