@@ -315,7 +315,7 @@ class GraphedDecode:
         for step in graph.steps:
             step()
         torch.cuda.current_stream().synchronize()  # the sampler reads the logits next anyway
-        self._raise_failed([graph])
+        self._finish([graph])
         return graph.logits
 
     def dual(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
@@ -352,7 +352,7 @@ class GraphedDecode:
         for lane in self.lanes:
             main.wait_stream(lane.stream)
         main.synchronize()
-        self._raise_failed(graphs)
+        self._finish(graphs)
         return [g.logits for g in graphs]
 
     def jobs(self) -> list:
@@ -360,7 +360,13 @@ class GraphedDecode:
         return [job for lane in (self.main, *self.lanes) for g in lane.graphs.values() for job, *_ in g.jobs]
 
     @staticmethod
-    def _raise_failed(graphs: list[_Graph]) -> None:
+    def _finish(graphs: list[_Graph]) -> None:
+        """After the replays: the calls the streams joined by their signal words are joined on the host too (the
+        ops are free for an eager call next: a capture's warm-up, a prefill), and any error is raised."""
+        for g in graphs:
+            for job, _, signal in g.jobs:
+                if signal is not None:
+                    _wait(job.address)
         failed = [job for g in graphs for job, *_ in g.jobs if job.error]
         if failed:
             errors = [job.error for job in failed]

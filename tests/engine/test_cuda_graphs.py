@@ -11,7 +11,7 @@ from hybrid import _native
 from hybrid.config.compose import compose, to_settings
 from hybrid.engine.requests import SamplingParams
 from hybrid.engine.build import build
-from hybrid.engine.cuda_graphs import MIN_BUCKET, CapturedExperts, kv_bucket, stream_waits
+from hybrid.engine.cuda_graphs import MIN_BUCKET, CapturedExperts, GraphedDecode, _Graph, kv_bucket, stream_waits
 from hybrid.engine.placement import CpuExperts, cpu_experts, experts_to_cpu_kernels, swap_experts
 from hybrid.engine.staging import Staging
 from hybrid.model.moe import MoE
@@ -145,7 +145,10 @@ def test_signalled_host_job_raises_its_word_when_complete(tiny_dir):
         assert signal.item() == 1, "the signal word was not raised"
         assert torch.equal(out, want), f"call {call}: the output was not complete when the word was raised"
         assert job.calls == call and job.cpu_s > 0 and not job.error
-    WAIT(job.address)  # a host_wait after the signal is harmless
+    with pytest.raises(ValueError, match="not been waited for"):
+        op(x, ids, w)  # signalled but not joined on the host: an eager call must wait for GraphedDecode._finish
+    GraphedDecode._finish([_Graph([], out, [(job, op, signal)])])
+    assert torch.equal(op(x, ids, w), want), "joined: the op serves an eager call again"
     ids[1, 2] = 999
     SUBMIT(job.address)
     assert signal.item() == 1 and "999 out of range" in job.error
