@@ -35,7 +35,8 @@ class MoELayer {
   // weights [T, K] f32; out [T, D] f32 or bf16 (overwritten).
   // submit() returns at once (the pool's workers run the layer; the caller's core stays free), wait() joins.
   // One call at a time per object; two objects over the same weights (two decode lanes) may each have one
-  // pending: the pool runs them one after the other, each wait() joining its own.
+  // pending: the pool queues them (a thread with no task left in one goes on to the next), each wait() joining
+  // its own.
   // on_done, if given, is called on a worker once the call is complete (before wait() would return).
   void submit(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa,
               std::function<void()> on_done = nullptr);
