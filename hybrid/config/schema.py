@@ -180,6 +180,9 @@ class PrefillPolicy:
                              f"got {self.stream_cap_gbps}")
 
 
+CPU_JOINS = ("signal", "host")  # policy.decode.cpu_join's values (null: auto)
+
+
 @dataclass
 class DecodePolicy:
     """Decode steps and the requests batched into them."""
@@ -193,7 +196,7 @@ class DecodePolicy:
     def __post_init__(self) -> None:
         _at_least(self, "decode", 1, "batch_cap")
         _one_of(self, "decode", "cuda_graphs", ("hostfn", "segments", "off"))
-        _one_of(self, "decode", "cpu_join", (None, "signal", "host"))
+        _one_of(self, "decode", "cpu_join", (None, *CPU_JOINS))
 
 
 @dataclass
@@ -300,7 +303,7 @@ class BenchConfig:
                 or self.repeats < 1):
             raise ValueError("bench: token counts, group sizes and repeats must be >= 1")
         for join in self.cpu_joins:
-            if join not in (None, "signal", "host"):
+            if join not in (None, *CPU_JOINS):
                 raise ValueError(f"bench.cpu_joins: each one of null, signal, host, got {join!r}")
         for knob in ("prompt_tokens", "new_tokens", "batch", "long_prompt_tokens", "dual_rounds"):
             if getattr(self, knob) < 1:

@@ -49,12 +49,12 @@ from hybrid import _native
 from hybrid.engine.placement import CpuExperts, DeferredCpuExperts, ExpertsWrapper, cpu_experts, swap_experts
 from hybrid.engine.staging import Staging
 from hybrid.engine.streams import decode_stream
+from hybrid.config.schema import CPU_JOINS
 from hybrid.errors import ConfigError
 from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
 
 MODES = ("off", "hostfn", "segments")
-JOINS = ("host", "signal")
 MIN_BUCKET = 256
 BUCKETS_PER_OCTAVE = 8
 
@@ -127,8 +127,6 @@ def cpu_join(wanted: Optional[str], supported: bool) -> str:
     """policy.decode.cpu_join resolved: null = `signal` where streams can wait for host memory, else `host`."""
     if wanted is None:
         return "signal" if supported else "host"
-    if wanted not in JOINS:
-        raise ConfigError(f"policy.decode.cpu_join must be one of null, {', '.join(JOINS)}, got {wanted!r}")
     if wanted == "signal" and not supported:
         raise ConfigError("policy.decode.cpu_join=signal needs CUDA stream memory operations (cuStreamWaitValue32 "
                           "on pinned host memory), which this driver refused; set it to host or null")
@@ -286,8 +284,8 @@ class GraphedDecode:
                  join: str = "host"):
         if mode not in MODES[1:]:
             raise ValueError(f"policy.decode.cuda_graphs must be one of {MODES}, got {mode!r}")
-        if join not in JOINS:
-            raise ValueError(f"policy.decode.cpu_join must be one of {JOINS}, got {join!r}")
+        if join not in CPU_JOINS:
+            raise ValueError(f"policy.decode.cpu_join must be one of {CPU_JOINS}, got {join!r}")
         if any(isinstance(layer, DeferredCpuExperts) for layer in cpu_experts(model)):
             raise ValueError("CUDA graphs need policy.cpu.deferred_experts=0")
         self.model, self.cache, self.staging, self.mode, self.join = model, cache, staging, mode, join
