@@ -104,6 +104,29 @@ def _cpu_experts_s(engine) -> Optional[float]:
     return None if graphs is None else sum(job.cpu_s for job in graphs.jobs())
 
 
+def _cpu_spans(engine, tracing: bool) -> list[tuple[int, int]]:
+    """The graphed decode steps' CPU-expert calls since the last take, (submit, complete) in time.monotonic_ns()
+    (their native jobs' notes); from now on noted while `tracing`."""
+    graphs = engine.parts.get("graphs")
+    spans = []
+    for job in graphs.jobs() if graphs is not None else []:
+        spans += job.take_spans()
+        job.tracing = tracing
+    return spans
+
+
+def cpu_busy(spans: list[tuple[int, int]], start: int, end: int) -> float:
+    """The time within [start, end) when at least one CPU-expert call was pending (submitted, not complete), in
+    the spans' unit: what the CPU had to do; the rest of the window it waited for the GPU or the host."""
+    busy, reach = 0, start
+    for s, e in sorted(spans):
+        s, e = max(s, reach), min(e, end)
+        if e > s:
+            busy += e - s
+            reach = e
+    return busy
+
+
 def _run_scenario(engine, sc: Scenario, d_prompts, p_prompt, new_tokens: int) -> dict:
     drv = _Driver(engine)
     room = engine.plan.max_context
@@ -111,9 +134,14 @@ def _run_scenario(engine, sc: Scenario, d_prompts, p_prompt, new_tokens: int) ->
     out: dict = {}
     if ds:
         drv.until(lambda: all(len(drv.times[r]) >= 2 for r in ds), "the decodes' first tokens")
-        cpu0, t0 = _cpu_experts_s(engine), time.perf_counter()
+        _cpu_spans(engine, True)
+        cpu0, t0, ns0 = _cpu_experts_s(engine), time.perf_counter(), time.monotonic_ns()
         drv.steps(new_tokens)
-        t1, cpu1 = time.perf_counter(), _cpu_experts_s(engine)
+        t1, cpu1, ns1 = time.perf_counter(), _cpu_experts_s(engine), time.monotonic_ns()
+        spans = _cpu_spans(engine, False)
+        if spans:  # the CPU's share of the timed steps, and what it waited per step
+            busy = cpu_busy(spans, ns0, ns1)
+            out["cpu_busy"], out["cpu_idle_s"] = busy / (ns1 - ns0), (ns1 - ns0 - busy) * 1e-9 / new_tokens
         out["before"] = [g for r in ds for g in _intervals(drv.times[r], t0, t1)]
         if cpu0 is not None:  # the CPU experts' share of a step, and the GPU's: what they leave of it
             out["cpu_s"] = (cpu1 - cpu0) / new_tokens
@@ -252,10 +280,12 @@ def _again(engine, s, point: dict, d_prompts, p_prompt, results: dict, roof: flo
 
 
 def _dual_batch(engine, s, scenarios: list[Scenario], results: dict, d_prompts, roof: float, step_bytes) -> list:
-    """The nD scenarios again without and with policy.decode.dual_batch, in turn, bench.dual_rounds times (the
-    host's bandwidth drifts: rounds alternate the ways), at each of bench.cpu_joins (none: the policy's): decode
-    tok/s of both ways side by side (median over rounds; `vs_no_overlap` the median of each round's ratio), against
-    the overlap's bound max(expert bytes ÷ roof, GPU time per step) and the serial bound."""
+    """The nD scenarios again without and with policy.decode.dual_batch (at each of bench.dual_staggers: half a
+    step apart or in lockstep; none: the policy's), in turn, bench.dual_rounds times (the host's bandwidth drifts:
+    rounds alternate the ways), at each of bench.cpu_joins (none: the policy's): decode tok/s of each way side by
+    side (median over rounds; `vs_no_overlap` the median of each round's ratio), against the overlap's bound
+    max(expert bytes ÷ roof, GPU time per step) and the serial bound; and how much of each step the CPU waited
+    (`cpu_idle_s`: no CPU-expert call pending)."""
     from hybrid.engine.build import rebuild
 
     if not scenarios:
@@ -263,32 +293,49 @@ def _dual_batch(engine, s, scenarios: list[Scenario], results: dict, d_prompts, 
         return []
     b = s.bench
     joins = list(b.cpu_joins) or [s.policy.decode.cpu_join]
-    runs: dict = {}  # (join, dual, scenario) -> per round, the scenario's results
+    ways = [(False, s.policy.decode.dual_stagger)] + [(True, st) for st in
+                                                        (list(b.dual_staggers) or [s.policy.decode.dual_stagger])]
+    runs: dict = {}  # (join, way, scenario) -> per round, the scenario's results
     labels: dict = {}
     for _ in range(b.dual_rounds):
         for join in joins:
-            for dual in (False, True):
-                p = replace(s.policy, decode=replace(s.policy.decode, dual_batch=dual, cpu_join=join))
+            for way in ways:
+                dual, stagger = way
+                p = replace(s.policy, decode=replace(s.policy.decode, dual_batch=dual, dual_stagger=stagger,
+                                                     cpu_join=join))
                 engine = rebuild(engine, replace(s, policy=p), s.hw)
                 for n in sorted({sc.decodes for sc in scenarios}):  # warm-up: the micro-batches' graphs
                     _run_scenario(engine, Scenario(f"{n}D", 0, n), d_prompts, None, 4)
-                for sc in scenarios:
-                    runs.setdefault((join, dual, sc.name), []).append(
-                        _run_scenario(engine, sc, d_prompts, None, b.new_tokens))
                 labels[join] = join or engine.plan.cpu_join  # null: what it resolved to
+                labels[(way, "stagger")] = engine.plan.dual_stagger  # only under hostfn graphs
+                labels[way] = ("without overlap" if not dual else "two micro-batches in turn"
+                               if engine.plan.cuda_graphs == "off" else "overlapped, half a step apart"
+                               if engine.plan.dual_stagger else "overlapped in lockstep")
+                for sc in scenarios:
+                    r = _run_scenario(engine, sc, d_prompts, None, b.new_tokens)
+                    runs.setdefault((join, way, sc.name), []).append(r)
+                    idle = f", CPU idle {r['cpu_idle_s'] * 1e3:.2f} ms a step" if "cpu_idle_s" in r else ""
+                    print(f"    {sc.name} {labels[way]} ({labels[join]} join): {r['before_tok_s']:.1f} tok/s{idle}",
+                          file=sys.stderr)
     out = []
     for join in joins:
         for sc in scenarios:
-            serial, dual_runs = runs[(join, False, sc.name)], runs[(join, True, sc.name)]
-            ratios = [d["before_tok_s"] / o["before_tok_s"] for o, d in zip(serial, dual_runs)]
+            serial = runs[(join, ways[0], sc.name)]
             gpus = [r["gpu_s"] for r in serial if r.get("gpu_s") is not None]
             gpu_step = statistics.median(gpus) if gpus else None
-            for dual, rs in ((False, serial), (True, dual_runs)):
+            said = []
+            for way in ways:
+                rs = runs[(join, way, sc.name)]
+                dual = way[0]
+                ratios = [d["before_tok_s"] / o["before_tok_s"] for o, d in zip(serial, rs)]
                 tok_s = [r["before_tok_s"] for r in rs]
+                idle = [r["cpu_idle_s"] for r in rs if "cpu_idle_s" in r]
                 tok = Record("decode_tok_s", statistics.median(tok_s), "tok/s", m=sc.decodes,
-                             extra={"scenario": sc.name, "dual_batch": dual, "cpu_join": labels[join],
-                                    "rounds": len(rs), "tok_s_by_round": tok_s,
-                                    "vs_no_overlap": statistics.median(ratios) if dual else 1.0})
+                             extra={"scenario": sc.name, "dual_batch": dual, "dual_stagger": labels[(way, "stagger")],
+                                    "way": labels[way], "cpu_join": labels[join], "rounds": len(rs),
+                                    "tok_s_by_round": tok_s, "vs_no_overlap": statistics.median(ratios)})
+                if idle:
+                    tok.extra["cpu_idle_s"] = statistics.median(idle)
                 if roof:
                     cpu_step = step_bytes(engine, sc.decodes) / (roof * 1e9)
                     tok.extra["cpu_experts_step_s"] = cpu_step
@@ -298,10 +345,11 @@ def _dual_batch(engine, s, scenarios: list[Scenario], results: dict, d_prompts, 
                     step = max(cpu_step, gpu_step or 0) if dual else cpu_step + (gpu_step or 0)
                     tok.bound = sc.decodes / step
                 out.append(tok)
-            print(f"  {sc.name} (CPU experts joined by {labels[join]}): "
-                  f"{statistics.median(r['before_tok_s'] for r in serial):.1f} tok/s without overlap, "
-                  f"{statistics.median(r['before_tok_s'] for r in dual_runs):.1f} with dual-batch overlap "
-                  f"(median of {len(ratios)} rounds' ratios {statistics.median(ratios):.3f})", file=sys.stderr)
+                said.append(f"{labels[way]} {tok.value:.1f} tok/s"
+                            + (f" ({tok.extra['vs_no_overlap']:.3f}x)" if dual else "")
+                            + (f", CPU idle {tok.extra['cpu_idle_s'] * 1e3:.2f} ms a step" if idle else ""))
+            print(f"  {sc.name} (CPU experts joined by {labels[join]}; medians of {b.dual_rounds} rounds): "
+                  + "; ".join(said), file=sys.stderr)
     return out
 
 

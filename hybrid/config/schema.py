@@ -189,6 +189,7 @@ class DecodePolicy:
     batch_cap: int = 6  # most requests running at once (holding a KV slot: prefilling or decoding)
     cuda_graphs: str = "hostfn"  # CUDA graphs: hostfn (one graph, CPU hand-off as host nodes) | segments | off
     dual_batch: bool = False  # >= 2 decoding: two micro-batches, one's GPU work beside the other's CPU experts
+    dual_stagger: bool = True  # dual_batch under hostfn graphs: each micro-batch's next step launched once sampled
     batch_invariant: bool = False  # GPU: a sequence's decode numbers independent of its batch mates (placement)
     mapped_outputs: bool = True  # GPU: the CPU experts' outputs read in place from pinned memory, not copied back
     cpu_join: Optional[str] = None  # hostfn graphs: the GPU waits for the CPU experts on a signal word | a host node
@@ -292,6 +293,7 @@ class BenchConfig:
     dual_batch: bool = False  # concurrency: the nD scenarios (n >= 2) again without and with policy.decode.dual_batch
     dual_rounds: int = 1  # ... both ways in turn this many times (medians reported)
     cpu_joins: List[Optional[str]] = field(default_factory=list)  # ... at each policy.decode.cpu_join (none: policy's)
+    dual_staggers: List[bool] = field(default_factory=list)  # ... overlapped at each policy.decode.dual_stagger
     beside_cores: List[int] = field(default_factory=list)  # 1P+1D again at each policy.prefill.beside_cores
     attention_chunks: List[int] = field(default_factory=list)  # ... at each policy.prefill.attention_chunk_tokens
     stream_queues: List[int] = field(default_factory=list)  # ... at each policy.prefill.stream_queue_mb

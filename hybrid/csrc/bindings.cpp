@@ -49,7 +49,14 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("address", [](HostJob& j) { return reinterpret_cast<uintptr_t>(&j); })
       .def_readwrite("error", &HostJob::error)
       .def_readwrite("calls", &HostJob::calls)
-      .def_readwrite("cpu_s", &HostJob::cpu_s);
+      .def_readwrite("cpu_s", &HostJob::cpu_s)
+      .def_readwrite("tracing", &HostJob::tracing)
+      .def("take_spans", [](HostJob& j) {  // read after the job is joined (its workers write them)
+        std::vector<std::pair<int64_t, int64_t>> out;
+        for (size_t i = 0; i + 1 < j.spans.size(); i += 2) out.emplace_back(j.spans[i], j.spans[i + 1]);
+        j.spans.clear();
+        return out;
+      }, "the calls' (submit, complete) times in ns (time.monotonic_ns's clock) since the last take; cleared");
   m.attr("host_submit_fn") = reinterpret_cast<uintptr_t>(&hybrid_host_submit);
   m.attr("host_wait_fn") = reinterpret_cast<uintptr_t>(&hybrid_host_wait);
 }

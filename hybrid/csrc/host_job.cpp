@@ -31,8 +31,13 @@ extern "C" void hybrid_host_submit(void* p) {
   if (!job->error.empty()) return raise_signal(job, 1);  // a failed job stays failed until Python has seen it
   try {
     job->layer->submit(job->x, job->ids, job->weights, job->out, job->isa, [job] {
-      job->cpu_s += (now_ns() - job->t_submit_ns) * 1e-9;
+      const int64_t t = now_ns();
+      job->cpu_s += (t - job->t_submit_ns) * 1e-9;
       ++job->calls;
+      if (job->tracing && job->spans.size() < 2 * HostJob::kMaxSpans) {
+        job->spans.push_back(job->t_submit_ns);
+        job->spans.push_back(t);
+      }
       raise_signal(job, 1);
     });
   } catch (const std::exception& e) {

@@ -6,10 +6,12 @@
 // thread is held while the CPU works, so the driver's host-function thread is free to submit another stream's
 // call meanwhile (CUDA may run all host functions on one thread).
 // Host functions cannot throw into the stream: an error is kept in the job and read from Python after the step.
-// Each job also adds up its own timings (for the step profiler).
+// Each job also adds up its own timings (for the step profiler) and, while `tracing`, notes each call's span
+// (submit, complete; steady clock ns, the clock of Python's time.monotonic_ns) for a timeline of the steps.
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "moe.h"
 #include "tensor_view.h"
@@ -25,6 +27,9 @@ struct HostJob {
   int64_t calls = 0;
   double cpu_s = 0;  // from submit to complete
   int64_t t_submit_ns = 0;
+  bool tracing = false;
+  std::vector<int64_t> spans;  // submit, complete, submit, ... (at most kMaxSpans pairs kept)
+  static constexpr size_t kMaxSpans = 1 << 16;
 };
 
 extern "C" {

@@ -68,7 +68,8 @@ REBUILDABLE = frozenset({"cpu.threads", "cpu.gemm_tile_tokens", "cpu.amx_min_tok
                          "prefill.slp_group_experts", "prefill.beside_decode", "prefill.stream_cap_gbps",
                          "prefill.attention_chunk_tokens", "prefill.beside_cores", "prefill.stream_queue_mb",
                          "prefill.beside_sms",
-                         "decode.batch_cap", "decode.cuda_graphs", "decode.dual_batch", "decode.mapped_outputs",
+                         "decode.batch_cap", "decode.cuda_graphs", "decode.dual_batch", "decode.dual_stagger",
+                         "decode.mapped_outputs",
                          "decode.cpu_join",
                          "gpu.experts_per_layer"})
 
@@ -266,6 +267,7 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
                 prefill_sms=prefill_sms(device, p.prefill.beside_sms) if p.prefill.beside_decode else None,
                 gpu_weights=p.gpu.weights, gpu_fp8_gemm=p.gpu.fp8_gemm, gpu_fp8_dequant_rows=p.gpu.fp8_dequant_rows,
                 cuda_graphs=p.decode.cuda_graphs if graphs else "off", dual_batch=p.decode.dual_batch,
+                dual_stagger=p.decode.dual_stagger and graphs and p.decode.cuda_graphs == "hostfn",
                 mapped_outputs=mapped, cpu_join=join,
                 gpu_experts_per_layer=p.gpu.experts_per_layer, gpu_pad_rows=placed.gemm.pad_rows, ledger=ledger)
     print(plan.describe(), file=sys.stderr)

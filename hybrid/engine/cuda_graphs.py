@@ -242,6 +242,14 @@ class _Graph:
     jobs: list  # (native job, CpuMoE, its signal word or None) per MoE layer
 
 
+@dataclass
+class Launched:
+    """A dual-batch lane's step replayed and not yet collected: its graph (logits, native jobs) and an event on the
+    lane's stream after it."""
+    graph: _Graph
+    done: torch.cuda.Event
+
+
 class _Lane:
     """Graphs captured for one stream of decode steps: their capture mode, their memory pool, the static inputs by
     batch size, the staging lane their hand-offs copy through. Lane 0 serves single-batch steps; dual-batch decode
@@ -305,8 +313,7 @@ class GraphedDecode:
         """One decode step, replaying the graph of its shape; a shape not captured yet is captured first, or with
         `capture` False (another thread is using the GPU: a capture would catch its calls) runs eagerly this time."""
         lane = self.main
-        key = (tokens_B1.shape[0], kv_bucket(kv_len, self.cache.max_context))
-        lane.load(tokens_B1, pos_B1, slots_B)
+        key = self._load(lane, (tokens_B1, pos_B1, slots_B, kv_len))
         graph = self._graph(lane, key, capture)
         if graph is None:
             return self._run(lane, *key)  # at the graphs' KV length: the same numbers as a replay
@@ -325,33 +332,73 @@ class GraphedDecode:
         replayed (no capture allowed now, or its capture failed) runs both steps one after the other instead."""
         if len(parts) != 2:
             raise ValueError(f"dual-batch decode takes two micro-batches, got {len(parts)}")
-        if not self.lanes:
-            for i in (1, 2):
-                self.staging.reserve(self.max_batch, lane=i)
-            self.lanes = [_Lane(i, self.mode, self.device) for i in (1, 2)]
-        graphs = []
-        for lane, (tokens_B1, pos_B1, slots_B, kv_len) in zip(self.lanes, parts):
-            key = (tokens_B1.shape[0], kv_bucket(kv_len, self.cache.max_context))
-            lane.load(tokens_B1, pos_B1, slots_B)
-            graphs.append(self._graph(lane, key, capture))
+        graphs = [self._graph(lane, self._load(lane, part), capture) for lane, part in zip(self._dual_lanes(), parts)]
         if any(g is None for g in graphs):
             return [self(*part, capture=capture) for part in parts]
+        if self.mode == "hostfn":
+            return [self.collect(h) for h in [self._replay(lane, g) for lane, g in zip(self.lanes, graphs)]]
         main = torch.cuda.current_stream()
         for lane in self.lanes:  # the inputs copied on the caller's stream come first
             lane.stream.wait_stream(main)
-        if self.mode == "hostfn":
-            for lane, g in zip(self.lanes, graphs):
-                with torch.cuda.stream(lane.stream):
-                    for step in g.steps:
-                        step()
-        else:
-            interleave([(functools.partial(torch.cuda.stream, lane.stream), g.steps)
-                        for lane, g in zip(self.lanes, graphs)])
+        interleave([(functools.partial(torch.cuda.stream, lane.stream), g.steps)
+                    for lane, g in zip(self.lanes, graphs)])
         for lane in self.lanes:
             main.wait_stream(lane.stream)
         main.synchronize()
         self._finish(graphs)
         return [g.logits for g in graphs]
+
+    def prepare(self, i: int, part: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], capture: bool) -> bool:
+        """Staggered dual-batch decode (hostfn): whether micro-batch lane i (0 or 1) can `launch` this part's step:
+        its graph exists, captured now if `capture` (nothing may be running on the GPU then)."""
+        if self.mode != "hostfn":
+            return False
+        lane = self._dual_lanes()[i]
+        return self._graph(lane, self._load(lane, part), capture) is not None
+
+    def launch(self, i: int, part: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]) -> Optional["Launched"]:
+        """Staggered dual-batch decode (hostfn): lane i's step replayed on its stream and left running — the caller
+        goes on (samples the other lane's tokens, launches its next step) and takes the logits with `collect`.
+        None, with nothing started, where that shape's graph is not captured (a launch never captures: the other
+        lane may be running; `prepare` captures)."""
+        if self.mode != "hostfn":
+            return None
+        lane = self._dual_lanes()[i]
+        key = self._load(lane, part)
+        graph = None if key in lane.eager else lane.graphs.get(key)
+        return None if graph is None else self._replay(lane, graph)
+
+    def collect(self, launched: "Launched") -> torch.Tensor:
+        """A launched step's logits, once it has ended (the caller's stream ordered after it); they stay valid until
+        that lane's next launch."""
+        launched.done.synchronize()
+        torch.cuda.current_stream().wait_event(launched.done)
+        self._finish([launched.graph])
+        return launched.graph.logits
+
+    def _dual_lanes(self) -> list["_Lane"]:
+        if not self.lanes:
+            for i in (1, 2):
+                self.staging.reserve(self.max_batch, lane=i)
+            self.lanes = [_Lane(i, self.mode, self.device) for i in (1, 2)]
+        return self.lanes
+
+    def _load(self, lane: "_Lane", part) -> tuple[int, int]:
+        """The part's inputs into the lane's static tensors; its graph's key."""
+        tokens_B1, pos_B1, slots_B, kv_len = part
+        lane.load(tokens_B1, pos_B1, slots_B)
+        return tokens_B1.shape[0], kv_bucket(kv_len, self.cache.max_context)
+
+    @staticmethod
+    def _replay(lane: "_Lane", graph: "_Graph") -> "Launched":
+        """The lane's graph replayed on its stream after what the caller's stream has queued (its inputs)."""
+        lane.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(lane.stream):
+            for step in graph.steps:
+                step()
+        done = torch.cuda.Event()
+        done.record(lane.stream)
+        return Launched(graph, done)
 
     def jobs(self) -> list:
         """The native jobs of every captured graph (their own timings: cpu_s, calls)."""

@@ -100,6 +100,8 @@ class Engine:
         self._samplers: dict[int, Sampler] = {}
         self._throttle = Throttle()  # limits a stream-loading prefill beside decode (plan.stream_cap_bytes_s, ...)
         self._beside: Optional[_Beside] = None  # the stream-loading prefill running beside decode, if any
+        self._ahead: Optional[_Ahead] = None  # staggered dual-batch decode: the micro-batch step launched ahead
+        self._given: set[int] = set()  # requests whose token this step came from the step launched ahead
         # the steps' GPU work, at the device's highest priority: ahead of a prefill streaming beside decode
         self.stream = decode_stream(self.device)
         self._side = PrefillSide(self.device, plan.prefill_sms)  # where a prompt beside decode computes
@@ -143,6 +145,7 @@ class Engine:
         """Stops a prefill running beside decode (at its next expert) and waits for its thread, then stops the
         prefill peer's process; steps may follow (the request then finishes as aborted; later prompts on this
         one device)."""
+        self._drain_ahead({})  # its tokens go out with the requests' next outputs
         b = self._beside
         if b is not None:
             b.cancel()
@@ -177,24 +180,30 @@ class Engine:
         return [self._output(r) for r in changed.values()]
 
     def _step(self, changed: dict[int, Request]) -> None:
+        self._given = set()
         self._take_inbox(changed)
         plan = self.scheduler.plan()
+        if plan.prefill:
+            self._drain_ahead(changed)  # a prefill calls the layers' native ops
         # a stream-loading prefill beside decode is paced while requests decode, at full speed when none does
         if plan.decode:
             self._throttle.set_limits(self.plan.stream_cap_bytes_s, self.plan.stream_queue_bytes)
         else:
             self._throttle.set_limits(None, None)
-        self._size_pool()
+        self._size_pool(changed)
         for chunk in plan.prefill:
             if chunk.beside and self._beside_applies(chunk):
                 try:
                     self._beside = self._start_beside(chunk)
                 except Exception as e:  # no stream or thread to run it: this request fails, the others go on
                     self._fail([chunk.request], e, changed)
-                self._size_pool()
+                self._size_pool(changed)
             else:
                 self._prefill(chunk, changed)
-        live = [r for r in plan.decode if not r.finished]
+        live = [r for r in plan.decode if not r.finished and r.id not in self._given]
+        if self._ahead is not None:  # it goes on if its requests are one of this step's micro-batches
+            self._drain_ahead(changed, micro_batches(live) if self.plan.dual_batch else None)
+            live = [r for r in live if not r.finished and r.id not in self._given]
         if live:
             self._decode_step(live, changed)
         self._collect_beside(changed, wait=not live and not plan.prefill)
@@ -203,6 +212,8 @@ class Engine:
         with self._lock:
             new, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, set()
+        if new or aborts:  # requests come or go: the micro-batch step launched ahead is collected first
+            self._drain_ahead(changed)
         for req in new:
             self._requests[req.id] = req
             self._samplers[req.id] = Sampler(req.params)
@@ -348,17 +359,24 @@ class Engine:
             req.state = State.prefilling
             self._prefilled(b.chunk, b.logits, changed)
 
-    def _size_pool(self) -> None:
+    def _size_pool(self, changed: dict[int, Request]) -> None:
         """The native kernels' threads for this step's CPU work (decode_threads). Called from the engine's thread
-        between its jobs; the prefill beside decode runs none of its own on the pool."""
+        between its jobs (a step launched ahead is collected first); the prefill beside decode runs none of its
+        own on the pool."""
         if self.plan.prefill_beside_cores:
             want = decode_threads(self.plan, self._beside is not None)
             if thread_pool.threads() != want:
+                self._drain_ahead(changed)
                 thread_pool.set_threads(want)
 
     def _decode_step(self, live: list[Request], changed: dict[int, Request]) -> None:
         groups = micro_batches(live) if self.plan.dual_batch else [live]
         capture = self._beside is None  # no graph capture while another thread uses the GPU
+        if len(groups) == 2 and self.plan.dual_stagger and hasattr(self._decode, "launch"):
+            live = self._staggered(groups, changed, capture)
+            if not live:
+                return
+            groups = micro_batches(live)
         try:
             parts = [self._decode_inputs(g) for g in groups]
             dual = getattr(self._decode, "dual", None)
@@ -367,15 +385,85 @@ class Engine:
             else:  # eager decode and the CPU: the micro-batches in turn
                 outs = [self._decode(*part, capture=capture) for part in parts]
             logits = torch.cat(outs) if len(outs) > 1 else outs[0]
-            tokens = choose(logits, [self._samplers[r.id] for r in live])
         except Exception as e:  # the batch's requests fail together; the engine goes on
             self._fail(live, e, changed)
             return
-        for req, token in zip(live, tokens):
+        self._sampled(live, logits, changed)
+
+    def _sampled(self, reqs: list[Request], logits: torch.Tensor, changed: dict[int, Request]) -> None:
+        """Each request's token from its row of the step's logits."""
+        try:
+            tokens = choose(logits, [self._samplers[r.id] for r in reqs])
+        except Exception as e:
+            self._fail(reqs, e, changed)
+            return
+        for req, token in zip(reqs, tokens):
             if isinstance(token, Exception):
                 self._fail([req], token, changed)
             else:
                 self._append(req, token, changed)
+
+    def _staggered(self, groups: list[list[Request]], changed: dict[int, Request], capture: bool) -> list[Request]:
+        """Dual-batch decode with the micro-batches half a step apart (policy.decode.dual_stagger): the step of the
+        micro-batch launched ahead (in the last step) is already running; the other's is launched now; the first is
+        collected and sampled and its next step launched at once, so that its GPU work (the layers before its first
+        CPU experts and after its last) runs while the CPU computes the other's routed experts: the CPU does not
+        wait for a step to start or end. Then the other is collected. Returns the requests still to decode this
+        step the usual way (where a shape's graph is not there yet): none, or the micro-batch not launched."""
+        a, self._ahead = self._ahead, None
+        dec = self._decode
+        try:
+            if a is None:
+                parts = [self._decode_inputs(g) for g in groups]
+                if not all(dec.prepare(i, part, capture) for i, part in enumerate(parts)):
+                    return [r for g in groups for r in g]
+                first, second = (_Ahead(g, i, dec.launch(i, part)) for i, (g, part) in enumerate(zip(groups, parts)))
+            else:  # the micro-batch ahead is one of this step's two (_drain_ahead saw to that)
+                other = groups[1] if a.ids == [r.id for r in groups[0]] else groups[0]
+                handle = dec.launch(1 - a.lane, self._decode_inputs(other))
+                if handle is None:
+                    self._collect(a, changed)
+                    return other
+                first, second = a, _Ahead(other, 1 - a.lane, handle)
+        except Exception as e:  # the step's requests fail together (a launched one is collected first)
+            if a is not None:
+                self._collect(a, changed)
+            self._fail([r for g in groups for r in g if not r.finished], e, changed)
+            return []
+        self._collect(first, changed)
+        nxt = [r for r in first.reqs if not r.finished]
+        if nxt and not self._inbox_busy():
+            try:
+                handle = dec.launch(first.lane, self._decode_inputs(nxt))
+            except Exception as e:
+                self._fail(nxt, e, changed)
+            else:
+                self._ahead = None if handle is None else _Ahead(nxt, first.lane, handle)
+        self._collect(second, changed)
+        return []
+
+    def _collect(self, a: "_Ahead", changed: dict[int, Request]) -> None:
+        """A launched micro-batch's step: its tokens sampled and appended."""
+        try:
+            logits = self._decode.collect(a.handle)
+        except Exception as e:
+            self._fail(a.reqs, e, changed)
+            return
+        self._sampled(a.reqs, logits, changed)
+
+    def _inbox_busy(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self._aborts)
+
+    def _drain_ahead(self, changed: dict[int, Request], keep: Optional[list[list[Request]]] = None) -> None:
+        """The micro-batch step launched ahead, collected now — unless `keep` (this step's micro-batches) holds its
+        requests as one of them, so that the staggering goes on. Its requests have had this step's token."""
+        a = self._ahead
+        if a is None or (keep is not None and len(keep) == 2 and a.ids in ([r.id for r in g] for g in keep)):
+            return
+        self._ahead = None
+        self._collect(a, changed)
+        self._given.update(a.ids)
 
     def _decode_inputs(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """A decode step's (tokens_B1, pos_B1, slots_B, kv_len) for these requests: each one's last token at its
@@ -396,6 +484,7 @@ class Engine:
         than policy.prefill.slp_cutoff_tokens where stream-loading applies); `stream` (ring_len, group, gemm)
         replaces the plan's for this call."""
         prompt = list(prompt_ids)
+        self._drain_ahead({})  # the layers' ops are free (its tokens go out with the requests' next outputs)
         if streamed is None:
             streamed = self._long_prefill is not None and len(prompt) > self.plan.slp_cutoff_tokens
         if streamed and self._long_prefill is None:
@@ -500,6 +589,19 @@ class Engine:
 
 
 @dataclass
+@dataclass
+class _Ahead:
+    """A micro-batch's decode step launched and not yet collected (staggered dual-batch decode): its requests, its
+    lane (0 or 1) and the decoder's handle."""
+    reqs: list[Request]
+    lane: int
+    handle: object
+
+    @property
+    def ids(self) -> list[int]:
+        return [r.id for r in self.reqs]
+
+
 class _Beside:
     """A prompt's stream-loading prefill on a thread of its own (and its own CUDA stream), while the engine's
     thread goes on stepping decode: the weights stay one copy in host memory — decode's CPU experts read them there,

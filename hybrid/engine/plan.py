@@ -50,6 +50,7 @@ class Plan:
     gpu_fp8_dequant_rows: int = 512
     cuda_graphs: str = "off"  # resolved: off where graphs do not apply
     dual_batch: bool = False  # >= 2 decoding: two micro-batches, interleaved (overlapped under graphs)
+    dual_stagger: bool = False  # ... half a step apart: each one's next step launched once its tokens are sampled
     gpu_experts_per_layer: int = 0
     gpu_pad_rows: int = 0  # batch-invariant decode: GPU GEMMs of fewer rows padded to this many (0: off)
     ledger: Ledger = field(default_factory=Ledger)
@@ -72,7 +73,8 @@ class Plan:
                  f"prefill chunks of {p.prefill_chunk_tokens} tokens, "
                  + (f"attention over longer prompts in query chunks of {p.prefill_attention_chunk}"
                     if p.prefill_attention_chunk else "attention in one call per layer")
-                 + (", decode in two micro-batches " + (f"overlapped ({p.cuda_graphs} graphs on two streams)"
+                 + (", decode in two micro-batches " + (f"overlapped ({p.cuda_graphs} graphs on two streams"
+                                                        + (", half a step apart)" if p.dual_stagger else ")")
                                                         if p.cuda_graphs != "off" else "in turn (no overlap)")
                     if p.dual_batch else "")]
         if p.device.type == "cuda":

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hybrid.bench.concurrency import Scenario, _intervals, parse_scenario
+from hybrid.bench.concurrency import Scenario, _intervals, cpu_busy, parse_scenario
 from hybrid.config.compose import compose, to_settings
 from hybrid.errors import ConfigError
 
@@ -30,6 +30,14 @@ def test_intervals_count_a_step_spanning_the_window_whole():
     times = [0.0, 1.0, 2.0, 10.0, 11.0]
     assert _intervals(times, 2.5, 9.0) == [8.0]  # the held step: one long gap
     assert _intervals(times, 0.5, 10.5) == [1.0, 1.0, 8.0, 1.0]
+
+
+def test_cpu_busy_is_the_union_of_pending_calls_within_the_window():
+    # two lanes' calls overlapping (queued), a gap, one running past the window's end
+    spans = [(10, 30), (20, 40), (50, 60), (55, 58), (90, 130)]
+    assert cpu_busy(spans, 0, 100) == 30 + 10 + 10
+    assert cpu_busy(spans, 25, 95) == 15 + 10 + 5
+    assert cpu_busy([], 0, 10) == 0 and cpu_busy([(0, 5)], 5, 10) == 0
 
 
 def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on the CPU on a GPU machine too
@@ -68,7 +76,8 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on t
         assert r["m"] == 2 and r["bound"] and 0 < r["value"] <= 1.2 * r["bound"]
         assert r["rounds"] == 2 and r["value"] == pytest.approx(statistics.median(r["tok_s_by_round"]))
         assert r["cpu_join"] == "host"  # no graphs on the CPU: nothing to signal
-    assert "with dual-batch overlap (median of 2 rounds' ratios" in p.stderr
+    assert "2D (CPU experts joined by host; medians of 2 rounds): without overlap" in p.stderr
+    assert dual[True]["way"] == "two micro-batches in turn" and not dual[True]["dual_stagger"]
 
 
 def test_scenarios_checked_before_the_model_is_built():

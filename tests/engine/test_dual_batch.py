@@ -13,11 +13,11 @@ from hybrid.engine.cuda_graphs import CpuStep, interleave
 from hybrid.engine.engine import Engine, micro_batches
 from hybrid.engine.placement import CpuExperts, experts_to_cpu_kernels
 from hybrid.engine.plan import Plan
-from hybrid.engine.requests import Request, SamplingParams
+from hybrid.engine.requests import FinishReason, Request, SamplingParams
 from hybrid.engine.staging import Staging
 from hybrid.model.moe import MoE
 from hybrid.models import Checkpoint, load_model
-from tests.engine.test_serving import PLAN, _check_solo, _drive, _greedy, _prompt
+from tests.engine.test_serving import PLAN, _check_solo, _drive, _greedy, _prompt, _solo
 
 DUAL = Plan(max_batch=3, max_context=96, batch_cap=3, prefill_chunk_tokens=8, dual_batch=True)
 
@@ -142,22 +142,142 @@ def test_dual_batch_is_a_policy_knob_in_the_plan():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("graphs", ["hostfn", "hostfn:host", "segments"])
+@pytest.mark.parametrize("graphs", ["hostfn", "hostfn:host", "hostfn:null:lockstep", "segments"])
 def test_graphed_dual_batch_keeps_solo_tokens(graphs):
     """Under graphs the two micro-batches replay on two streams at once (lanes 1 and 2): requests arriving and
     finishing at different steps keep their solo tokens (each alone through the same engine); hostfn with either
-    join of the CPU experts (auto and host)."""
-    graphs, _, join = graphs.partition(":")
-    s = to_settings(compose(["+hw=h200_xeon16", "policy=default",
+    join of the CPU experts (auto and host), half a step apart (the default) and in lockstep."""
+    graphs, _, rest = graphs.partition(":")
+    join, _, lockstep = rest.partition(":")
+    s = to_settings(compose(["+hw=h200_xeon16", "policy=default", f"policy.decode.dual_stagger={not lockstep}",
                              "policy.adapt_to_hardware=true", "model.dtype=float32", f"policy.decode.cpu_join={join or 'null'}",
                              f"policy.decode.cuda_graphs={graphs}", "policy.decode.dual_batch=true",
                              "policy.decode.batch_invariant=true",
                              "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "policy.kv.max_context=512"]))
     engine = build(s, s.hw, progress=False)
+    dec, launched = engine.parts["graphs"], []
+    launch = dec.launch
+    dec.launch = lambda *a: launched.append(a[0]) or launch(*a)  # noqa: E731 - counted
     v = engine.model.args.vocab_size
     prompts = [torch.randint(2, v, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 17, 5)]
     got = _drive(engine, {0: [(prompts[0], _greedy(40))], 3: [(prompts[1], _greedy(12))],
                           8: [(prompts[2], _greedy(30))]})
-    assert engine.parts["graphs"].lanes and any(lane.graphs for lane in engine.parts["graphs"].lanes)
+    assert dec.lanes and any(lane.graphs for lane in dec.lanes)
+    assert engine.plan.dual_stagger == (graphs == "hostfn" and not lockstep)
+    assert (len(launched) > 20) == engine.plan.dual_stagger, f"{len(launched)} micro-batch steps launched ahead"
     for prompt, params, tokens, _ in got.values():
         assert tokens == engine.generate([prompt], params)[0].output_ids
+
+
+STAGGER = Plan(max_batch=3, max_context=96, batch_cap=3, prefill_chunk_tokens=8, dual_batch=True, dual_stagger=True)
+
+
+class _StaggeredDecoder(_DualDecoder):
+    """A decoder with prepare/launch/collect (as graphed hostfn decode has): a launch computes the step eagerly into
+    its lane's one logits buffer (as a graph's static output) and is pending until collected. It fails the test if
+    a lane is launched again before it was collected, or if anything else runs the model meanwhile (a prefill: the
+    layers' ops would be called while a launched step holds them)."""
+
+    def __init__(self, engine: Engine, ready_after: int = 0):
+        super().__init__(engine)
+        self.pending: dict[int, torch.Tensor] = {}
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.ready_after = ready_after  # prepare says "not captured" this many times first
+        forward = engine._forward
+
+        def guarded(*a, **k):
+            assert not self.pending, "a prefill ran while a micro-batch step was launched"
+            return forward(*a, **k)
+        engine._forward = guarded
+
+    def __call__(self, *part, capture=True):
+        assert not self.pending, "a single step ran while a micro-batch step was launched"
+        return super().__call__(*part, capture=capture)
+
+    def dual(self, parts, capture=True):
+        assert not self.pending, "a dual step ran while a micro-batch step was launched"
+        return super().dual(parts, capture)
+
+    def prepare(self, i, part, capture):
+        self.calls.append(("prepare", i))
+        if self.ready_after:
+            self.ready_after -= 1
+            return False
+        return True
+
+    def launch(self, i, part):
+        assert i not in self.pending, f"lane {i} launched again before it was collected"
+        self.calls.append(("launch", i, part[0].shape[0]))
+        self.buffers[i] = logits = self.engine._eager_decode(*part)
+        self.pending[i] = logits
+        return i
+
+    def collect(self, i):
+        self.calls.append(("collect", i))
+        return self.pending.pop(i)
+
+
+def _stepwise(engine: Engine, arrivals: dict, aborts: dict | None = None, steps: int = 200) -> dict:
+    """As _drive, and each request gets at most one token per step; `aborts`: step -> request ids to abort."""
+    got = {}
+    for step in range(steps):
+        for prompt, params in arrivals.get(step, []):
+            got[engine.add_request(prompt, params)] = [prompt, params, [], None]
+        for rid in (aborts or {}).get(step, []):
+            engine.abort(rid)
+        for out in engine.step():
+            assert len(out.new_token_ids) <= 1, f"request {out.id} got {len(out.new_token_ids)} tokens in a step"
+            got[out.id][2] += out.new_token_ids
+            if out.finished:
+                got[out.id][3] = out.finish_reason
+        if step >= max(arrivals) and not engine.has_work():
+            break
+    assert not engine.has_work(), "requests left unfinished"
+    return got
+
+
+def test_staggered_micro_batches_keep_solo_tokens_and_run_half_a_step_apart(tiny_model):
+    """Requests arriving and finishing at different steps: the micro-batch launched ahead is collected whenever
+    the set changes; in between, each step launches the other micro-batch, collects the one ahead, launches its
+    next step and only then collects the other."""
+    v = tiny_model.args.vocab_size
+    engine = Engine(tiny_model, STAGGER)
+    dec = engine._decode = _StaggeredDecoder(engine)
+    arrivals = {0: [(_prompt(9, 1, v), _greedy(24)), (_prompt(6, 7, v), _greedy(30))],
+                4: [(_prompt(14, 2, v), _greedy(9))], 9: [(_prompt(5, 3, v), _greedy(14))]}
+    _check_solo(tiny_model, _stepwise(engine, arrivals), PLAN)
+    assert not dec.pending
+    kinds = [c[0] + (str(c[1]) if c[0] != "single" else "") for c in dec.calls]
+    steady = ["launch1", "collect0", "launch0", "collect1"]
+    runs = sum(kinds[i:i + 4] == steady or kinds[i:i + 4] == ["launch0", "collect1", "launch1", "collect0"]
+               for i in range(len(kinds)))
+    assert runs >= 10, f"the micro-batches did not run half a step apart: {kinds}"
+
+
+def test_staggered_abort_of_a_request_launched_ahead(tiny_model):
+    v = tiny_model.args.vocab_size
+    engine = Engine(tiny_model, STAGGER)
+    engine._decode = _StaggeredDecoder(engine)
+    arrivals = {0: [(_prompt(9, 1, v), _greedy(30)), (_prompt(6, 7, v), _greedy(30))]}
+    got = _stepwise(engine, arrivals, aborts={8: [0]})
+    (p0, s0, t0, r0), (p1, s1, t1, r1) = got[0], got[1]
+    assert r0 == FinishReason.abort and 0 < len(t0) < 30
+    assert t0 == _solo(tiny_model, p0, s0, PLAN)[:len(t0)], "tokens before the abort are its solo tokens"
+    assert t1 == _solo(tiny_model, p1, s1, PLAN) and r1 == FinishReason.length
+
+
+def test_staggered_waits_for_graphs_not_captured_yet(tiny_model):
+    """prepare saying "not captured" (no capture allowed) makes the step run the usual way (dual), tokens the same."""
+    v = tiny_model.args.vocab_size
+    engine = Engine(tiny_model, STAGGER)
+    dec = engine._decode = _StaggeredDecoder(engine, ready_after=3)
+    arrivals = {0: [(_prompt(9, 1, v), _greedy(12)), (_prompt(6, 7, v), _greedy(12))]}
+    _check_solo(tiny_model, _stepwise(engine, arrivals), PLAN)
+    assert any(c[0] == "dual" for c in dec.calls) and any(c[0] == "launch" for c in dec.calls)
+
+
+def test_dual_stagger_is_a_plan_knob_resolved_to_hostfn_graphs():
+    s = to_settings(compose(["model=tiny"]))
+    assert s.policy.decode.dual_stagger is True
+    assert "half a step apart" in Plan(dual_batch=True, dual_stagger=True, cuda_graphs="hostfn").describe()
+    assert "half a step apart" not in Plan(dual_batch=True, cuda_graphs="hostfn").describe()
