@@ -28,7 +28,9 @@ computes one micro-batch's attention and shared experts while the CPU computes t
   experts to the thread pool, which queues the calls in the order they come: a worker done with one lane's call
   goes on to the other's (each join waits for its own call). With `signal` joins no host function blocks, so one
   lane's submit never waits behind the other's join (CUDA may run all host functions on one thread). No Python
-  runs between the lanes.
+  runs between the lanes. `dual` replays both lanes' steps together and returns when both end; with
+  `launch`/`collect` the engine keeps them half a step apart instead (policy.decode.dual_stagger): one lane's
+  next step is launched as soon as its tokens are sampled, while the other's step is still running.
 - `segments`: `interleave` enqueues one micro-batch's GPU segment, then the other's, and runs the CPU experts of
   each in turn from Python.
 

@@ -589,7 +589,6 @@ class Engine:
 
 
 @dataclass
-@dataclass
 class _Ahead:
     """A micro-batch's decode step launched and not yet collected (staggered dual-batch decode): its requests, its
     lane (0 or 1) and the decoder's handle."""
@@ -602,6 +601,7 @@ class _Ahead:
         return [r.id for r in self.reqs]
 
 
+@dataclass
 class _Beside:
     """A prompt's stream-loading prefill on a thread of its own (and its own CUDA stream), while the engine's
     thread goes on stepping decode: the weights stay one copy in host memory — decode's CPU experts read them there,
