@@ -116,7 +116,7 @@ def _at_least(group: object, path: str, low: int, *knobs: str, optional: bool = 
 def _one_of(group: object, path: str, knob: str, choices: tuple) -> None:
     value = getattr(group, knob)
     if value not in choices:
-        names = ", ".join("null" if c is None else c for c in choices)
+        names = ", ".join("null" if c is None else str(c).lower() if isinstance(c, bool) else c for c in choices)
         raise ValueError(f"policy.{path}.{knob} must be one of {names}, got {value!r}")
 
 
@@ -188,7 +188,8 @@ class DecodePolicy:
     """Decode steps and the requests batched into them."""
     batch_cap: int = 6  # most requests running at once (holding a KV slot: prefilling or decoding)
     cuda_graphs: str = "hostfn"  # CUDA graphs: hostfn (one graph, CPU hand-off as host nodes) | segments | off
-    dual_batch: bool = False  # >= 2 decoding: two micro-batches, one's GPU work beside the other's CPU experts
+    dual_batch: Optional[bool] = None  # >= 2 decoding: two micro-batches, one's GPU work beside the other's CPU
+    # experts (null: on where decode runs hostfn graphs, off elsewhere)
     dual_stagger: bool = True  # dual_batch under hostfn graphs: each micro-batch's next step launched once sampled
     batch_invariant: bool = False  # GPU: a sequence's decode numbers independent of its batch mates (placement)
     mapped_outputs: bool = True  # GPU: the CPU experts' outputs read in place from pinned memory, not copied back
@@ -198,6 +199,7 @@ class DecodePolicy:
         _at_least(self, "decode", 1, "batch_cap")
         _one_of(self, "decode", "cuda_graphs", ("hostfn", "segments", "off"))
         _one_of(self, "decode", "cpu_join", (None, *CPU_JOINS))
+        _one_of(self, "decode", "dual_batch", (None, False, True))
 
 
 @dataclass

@@ -266,7 +266,7 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
                 stream_queue_bytes=p.prefill.stream_queue_mb << 20 if p.prefill.stream_queue_mb else None,
                 prefill_sms=prefill_sms(device, p.prefill.beside_sms) if p.prefill.beside_decode else None,
                 gpu_weights=p.gpu.weights, gpu_fp8_gemm=p.gpu.fp8_gemm, gpu_fp8_dequant_rows=p.gpu.fp8_dequant_rows,
-                cuda_graphs=p.decode.cuda_graphs if graphs else "off", dual_batch=p.decode.dual_batch,
+                cuda_graphs=p.decode.cuda_graphs if graphs else "off", dual_batch=dual_batch(p, graphs),
                 dual_stagger=p.decode.dual_stagger and graphs and p.decode.cuda_graphs == "hostfn",
                 mapped_outputs=mapped, cpu_join=join,
                 gpu_experts_per_layer=p.gpu.experts_per_layer, gpu_pad_rows=placed.gemm.pad_rows, ledger=ledger)
@@ -357,6 +357,15 @@ def expert_gemm_shapes(a) -> list[tuple[int, int]]:
     """The weight shapes [N, K] a streamed expert multiplies by: gate+up fused, gate or up alone, down."""
     i, d = a.moe_intermediate_size, a.hidden_size
     return [(2 * i, d), (i, d), (d, i)]
+
+
+def dual_batch(p: PolicyConfig, graphs: bool) -> bool:
+    """policy.decode.dual_batch resolved: null = on where decode replays hostfn graphs (the micro-batches then run
+    half a step apart, the GPU's share of a step hidden behind the CPU experts: 1.27-1.37x at 2D and 4D on the H200
+    test machine), off elsewhere (eagerly, or on the CPU, the two halves run in turn and gain nothing)."""
+    if p.decode.dual_batch is not None:
+        return p.decode.dual_batch
+    return graphs and p.decode.cuda_graphs == "hostfn"
 
 
 def graphs_apply(s: HybridConfig, device: torch.device) -> bool:

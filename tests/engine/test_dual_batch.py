@@ -276,6 +276,24 @@ def test_staggered_waits_for_graphs_not_captured_yet(tiny_model):
     assert any(c[0] == "dual" for c in dec.calls) and any(c[0] == "launch" for c in dec.calls)
 
 
+def test_dual_batch_auto_is_on_under_hostfn_graphs_only():
+    from hybrid.engine.build import dual_batch
+
+    def policy(*over):
+        return to_settings(compose(["model=tiny", *over])).policy
+
+    assert policy().decode.dual_batch is None
+    assert dual_batch(policy(), graphs=True) is True
+    assert dual_batch(policy("policy.decode.cuda_graphs=segments"), graphs=True) is False
+    assert dual_batch(policy(), graphs=False) is False  # eager or on the CPU: the halves would run in turn
+    assert dual_batch(policy("policy.decode.dual_batch=false"), graphs=True) is False
+    assert dual_batch(policy("policy.decode.dual_batch=true"), graphs=False) is True
+    from hybrid.config.schema import DecodePolicy
+
+    with pytest.raises(ValueError, match="dual_batch"):
+        DecodePolicy(dual_batch="yes")
+
+
 def test_dual_stagger_is_a_plan_knob_resolved_to_hostfn_graphs():
     s = to_settings(compose(["model=tiny"]))
     assert s.policy.decode.dual_stagger is True
