@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import nn
 
+from hybrid.engine.pinned import pinned_bytes
 from hybrid.kernels.fp8_linear import DEFAULT_GEMM, CpuFp8Gemm, Fp8Gemm
 from hybrid.kernels.moe import CpuMoE
 from hybrid.kernels.pointwise import FUSED, Fused
@@ -310,7 +311,8 @@ def pin_experts(model: nn.Module, pin: bool = True) -> int:
     total = 0
     for layer in cpu_experts(model):
         fields, slot = layout(expert_tensors(layer.host_experts[0]))
-        arena = torch.empty(len(layer.host_experts) * slot, dtype=torch.uint8, pin_memory=pin)
+        n = len(layer.host_experts) * slot
+        arena = pinned_bytes(n) if pin else torch.empty(n, dtype=torch.uint8)  # exactly n bytes page-locked
         for e, expert in enumerate(layer.host_experts):
             for name, t in expert_tensors(expert):
                 start = e * slot + fields[name].offset
