@@ -35,7 +35,7 @@ def pinned_bytes(nbytes: int, cudart=None, is_pinned=torch.Tensor.is_pinned) -> 
     t = torch.from_numpy(raw[skip:skip + nbytes])  # holds `raw` (through the view) as long as its storage lives
     ptr = t.data_ptr()
     try:
-        rc = _code(cudart.cudaHostRegister(ptr, nbytes, 0))
+        rc = page_lock(t, cudart)
     except Exception as e:  # noqa: BLE001 - a binding that fails is a refusal like any other
         rc, why = -1, f"{type(e).__name__}: {e}"
     else:
@@ -50,6 +50,13 @@ def pinned_bytes(nbytes: int, cudart=None, is_pinned=torch.Tensor.is_pinned) -> 
     warnings.warn(f"page-locking {nbytes / 1e9:.2f} GB in place failed ({why}): using torch's pinned allocator, "
                   f"which rounds the block up to {_pow2(nbytes) / 1e9:.2f} GB")
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def page_lock(t: torch.Tensor, cudart=None) -> int:
+    """t's memory page-locked in place (cudaHostRegister, no copy): the cudaError code, 0 when locked. It stays
+    locked until cudaHostUnregister (which freeing the memory does not do)."""
+    cudart = cudart or torch.cuda.cudart()
+    return _code(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
 
 
 def _unregister(cudart, ptr: int) -> None:

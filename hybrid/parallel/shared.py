@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybrid.engine.pinned import page_lock
 from hybrid.engine.placement import CpuExperts, cpu_experts
 from hybrid.prefill.ring import expert_tensors, layout
 
@@ -62,11 +63,10 @@ def _view(arena: torch.Tensor, start: int, like: torch.Tensor) -> torch.Tensor:
 def pin_shared(arenas: list[torch.Tensor]) -> None:
     """The arenas page-locked in place for this process's GPU copies (cudaHostRegister; no copy); those this process
     has already locked are left as they are."""
-    cudart = torch.cuda.cudart()
     for arena in arenas:
         if arena.is_pinned():
             continue
-        err = cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
-        if err != cudart.cudaError.success:
-            raise RuntimeError(f"cudaHostRegister of a {arena.numel() / 1e9:.2f} GB expert arena failed: {err} "
+        err = page_lock(arena)
+        if err:
+            raise RuntimeError(f"cudaHostRegister of a {arena.numel() / 1e9:.2f} GB expert arena failed: cudaError {err} "
                                "(is the locked-memory limit, ulimit -l, high enough?)")
