@@ -330,10 +330,10 @@ def _dual_batch(engine, s, scenarios: list[Scenario], results: dict, d_prompts, 
                 ratios = [d["before_tok_s"] / o["before_tok_s"] for o, d in zip(serial, rs)]
                 tok_s = [r["before_tok_s"] for r in rs]
                 idle = [r["cpu_idle_s"] for r in rs if "cpu_idle_s" in r]
+                staggered = dual and labels[(way, "stagger")]
                 tok = Record("decode_tok_s", statistics.median(tok_s), "tok/s", m=sc.decodes,
-                             extra={"scenario": sc.name, "dual_batch": dual, "dual_stagger": dual and labels[(way, "stagger")],
-                                    "way": labels[way], "cpu_join": labels[join], "rounds": len(rs),
-                                    "tok_s_by_round": tok_s, "vs_no_overlap": statistics.median(ratios)})
+                             extra={"scenario": sc.name, "dual_batch": dual, "dual_stagger": staggered, "way": labels[way],
+                                    "cpu_join": labels[join], "rounds": len(rs), "tok_s_by_round": tok_s, "vs_no_overlap": statistics.median(ratios)})
                 if idle:
                     tok.extra["cpu_idle_s"] = statistics.median(idle)
                 if roof:

@@ -68,5 +68,5 @@ def pin_shared(arenas: list[torch.Tensor]) -> None:
             continue
         err = page_lock(arena)
         if err:
-            raise RuntimeError(f"cudaHostRegister of a {arena.numel() / 1e9:.2f} GB expert arena failed: cudaError {err} "
-                               "(is the locked-memory limit, ulimit -l, high enough?)")
+            raise RuntimeError(f"cudaHostRegister of a {arena.numel() / 1e9:.2f} GB expert arena failed: cudaError "
+                               f"{err} (is the locked-memory limit, ulimit -l, high enough?)")
