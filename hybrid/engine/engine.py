@@ -102,6 +102,8 @@ class Engine:
         self._beside: Optional[_Beside] = None  # the stream-loading prefill running beside decode, if any
         self._ahead: Optional[_Ahead] = None  # staggered dual-batch decode: the micro-batch step launched ahead
         self._given: set[int] = set()  # requests whose token this step came from the step launched ahead
+        self._held: dict[int, Request] = {}  # ... collected between steps (close, prefill): reported by the next
+        self._refresh_due = False  # after_prefill put off until no step runs ahead
         # the steps' GPU work, at the device's highest priority: ahead of a prefill streaming beside decode
         self.stream = decode_stream(self.device)
         self._side = PrefillSide(self.device, plan.prefill_sms)  # where a prompt beside decode computes
@@ -145,7 +147,7 @@ class Engine:
         """Stops a prefill running beside decode (at its next expert) and waits for its thread, then stops the
         prefill peer's process; steps may follow (the request then finishes as aborted; later prompts on this
         one device)."""
-        self._drain_ahead({})  # its tokens go out with the requests' next outputs
+        self._drain_between_steps()
         b = self._beside
         if b is not None:
             b.cancel()
@@ -180,7 +182,13 @@ class Engine:
         return [self._output(r) for r in changed.values()]
 
     def _step(self, changed: dict[int, Request]) -> None:
-        self._given = set()
+        self._given = set(self._held)  # collected between steps: this step's token is theirs already
+        changed.update(self._held)
+        self._held = {}
+        if self._refresh_due:  # a prefill beside decode ended while a step ran ahead: refreshed now
+            self._drain_ahead(changed)
+            self._refresh_due = False
+            self._refresh()
         self._take_inbox(changed)
         plan = self.scheduler.plan()
         if plan.prefill:
@@ -248,8 +256,12 @@ class Engine:
             self._refresh()
 
     def _refresh(self) -> None:
-        """after_prefill (e.g. moving the hottest experts in): a failure there warns and the requests go on."""
+        """after_prefill (e.g. moving the hottest experts in): a failure there warns and the requests go on. Not
+        while a micro-batch's step runs ahead (it reads the hot experts): then at the start of the next step."""
         if self._after_prefill is None:
+            return
+        if self._ahead is not None:
+            self._refresh_due = True
             return
         try:
             self._after_prefill()
@@ -410,37 +422,40 @@ class Engine:
         CPU experts and after its last) runs while the CPU computes the other's routed experts: the CPU does not
         wait for a step to start or end. Then the other is collected. Returns the requests still to decode this
         step the usual way (where a shape's graph is not there yet): none, or the micro-batch not launched."""
-        a, self._ahead = self._ahead, None
+        first, self._ahead = self._ahead, None
         dec = self._decode
-        try:
-            if a is None:
+        if first is None:  # both launched now: the first micro-batch's step first
+            try:
                 parts = [self._decode_inputs(g) for g in groups]
                 if not all(dec.prepare(i, part, capture) for i, part in enumerate(parts)):
                     return [r for g in groups for r in g]
-                first, second = (_Ahead(g, i, dec.launch(i, part)) for i, (g, part) in enumerate(zip(groups, parts)))
-            else:  # the micro-batch ahead is one of this step's two (_drain_ahead saw to that)
-                other = groups[1] if a.ids == [r.id for r in groups[0]] else groups[0]
-                handle = dec.launch(1 - a.lane, self._decode_inputs(other))
-                if handle is None:
-                    self._collect(a, changed)
-                    return other
-                first, second = a, _Ahead(other, 1 - a.lane, handle)
-        except Exception as e:  # the step's requests fail together (a launched one is collected first)
-            if a is not None:
-                self._collect(a, changed)
-            self._fail([r for g in groups for r in g if not r.finished], e, changed)
-            return []
+            except Exception as e:  # nothing runs yet: the step's requests fail together
+                self._fail([r for g in groups for r in g], e, changed)
+                return []
+            first = self._launch(0, groups[0], parts[0], changed)
+            if first is None:
+                return groups[1]
+        other = groups[1] if first.ids == [r.id for r in groups[0]] else groups[0]
+        second = self._launch(1 - first.lane, other, None, changed)
+        if second is None:  # not captured (the usual way then), or failed: the first one's step stands
+            self._collect(first, changed)
+            return [r for r in other if not r.finished]
         self._collect(first, changed)
         nxt = [r for r in first.reqs if not r.finished]
         if nxt and not self._inbox_busy():
-            try:
-                handle = dec.launch(first.lane, self._decode_inputs(nxt))
-            except Exception as e:
-                self._fail(nxt, e, changed)
-            else:
-                self._ahead = None if handle is None else _Ahead(nxt, first.lane, handle)
+            self._ahead = self._launch(first.lane, nxt, None, changed)
         self._collect(second, changed)
         return []
+
+    def _launch(self, lane: int, reqs: list[Request], part, changed: dict[int, Request]) -> Optional["_Ahead"]:
+        """The micro-batch's step launched on `lane` (part: its inputs, made here if None); None where its graph is
+        not captured, or where the launch failed (its requests then fail)."""
+        try:
+            handle = self._decode.launch(lane, part or self._decode_inputs(reqs))
+        except Exception as e:
+            self._fail(reqs, e, changed)
+            return None
+        return None if handle is None else _Ahead(reqs, lane, handle)
 
     def _collect(self, a: "_Ahead", changed: dict[int, Request]) -> None:
         """A launched micro-batch's step: its tokens sampled and appended."""
@@ -465,6 +480,11 @@ class Engine:
         self._collect(a, changed)
         self._given.update(a.ids)
 
+    def _drain_between_steps(self) -> None:
+        """The step launched ahead collected outside a step; its requests' progress goes out with the next step."""
+        with on(self.stream):
+            self._drain_ahead(self._held)
+
     def _decode_inputs(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """A decode step's (tokens_B1, pos_B1, slots_B, kv_len) for these requests: each one's last token at its
         position."""
@@ -484,7 +504,7 @@ class Engine:
         than policy.prefill.slp_cutoff_tokens where stream-loading applies); `stream` (ring_len, group, gemm)
         replaces the plan's for this call."""
         prompt = list(prompt_ids)
-        self._drain_ahead({})  # the layers' ops are free (its tokens go out with the requests' next outputs)
+        self._drain_between_steps()  # the layers' ops are free
         if streamed is None:
             streamed = self._long_prefill is not None and len(prompt) > self.plan.slp_cutoff_tokens
         if streamed and self._long_prefill is None:

@@ -299,3 +299,47 @@ def test_dual_stagger_is_a_plan_knob_resolved_to_hostfn_graphs():
     assert s.policy.decode.dual_stagger is True
     assert "half a step apart" in Plan(dual_batch=True, dual_stagger=True, cuda_graphs="hostfn").describe()
     assert "half a step apart" not in Plan(dual_batch=True, cuda_graphs="hostfn").describe()
+
+
+def test_collected_between_steps_the_tokens_go_out_with_the_next_step(tiny_model):
+    """engine.prefill (a probe) and close() between steps collect the step running ahead first (the layers' ops are
+    then free); those requests' tokens are reported by the next step, still one per request per step."""
+    v = tiny_model.args.vocab_size
+    engine = Engine(tiny_model, STAGGER)
+    dec = engine._decode = _StaggeredDecoder(engine)
+    prompts = [(_prompt(9, 1, v), _greedy(12)), (_prompt(6, 7, v), _greedy(5))]
+    got = {engine.add_request(p, s): [p, s, [], None] for p, s in prompts}
+    step, between = 0, []
+    while engine.has_work():
+        for out in engine.step():
+            assert len(out.new_token_ids) <= 1
+            got[out.id][2] += out.new_token_ids
+            if out.finished:
+                got[out.id][3] = out.finish_reason
+        step += 1
+        if engine._ahead is not None and step >= 3 and len(between) < 2:  # something else needs the model now
+            engine.close() if between else engine.prefill(_prompt(5, 9, v), slot=2)
+            assert not dec.pending and engine._ahead is None
+            between.append(step)
+    assert len(between) == 2, "no step ran ahead to collect"
+    for p, s, tokens, reason in got.values():
+        assert tokens == _solo(tiny_model, p, s, PLAN) and reason == FinishReason.length
+
+
+def test_after_prefill_waits_until_no_step_runs_ahead(tiny_model):
+    """Moving hot experts in (after_prefill) while a micro-batch's step runs ahead would change the weights under
+    it: put off to the start of the next step, after that step is collected."""
+    v = tiny_model.args.vocab_size
+    seen = []
+    engine = Engine(tiny_model, STAGGER, after_prefill=lambda: seen.append(bool(dec.pending)))
+    dec = engine._decode = _StaggeredDecoder(engine)
+    for p, s in [(_prompt(9, 1, v), _greedy(20)), (_prompt(6, 7, v), _greedy(20))]:
+        engine.add_request(p, s)
+    while engine._ahead is None:
+        engine.step()
+    seen.clear()
+    engine._refresh()  # as a prefill beside decode that ends after the step launched ahead
+    assert seen == [] and engine._refresh_due
+    engine.step()
+    assert seen == [False] and not engine._refresh_due
+    assert all(not pending for pending in seen)
