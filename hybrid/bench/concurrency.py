@@ -422,30 +422,67 @@ def run(s) -> Records:
 def plot(records: list[Record], png: Path) -> Optional[Path]:
     """The trade-off curves of the 1P+1D sweeps: the first swept knob (in SWEEPS' order) that took two or more
     values -> the decode's TPOT ratio and the prompt's TTFT, a curve per setting of the other sweeps; each run a
-    point, the curve through the medians of a setting's repeats."""
+    point, the curve through the medians of a setting's repeats. And bench.dual_batch's nD runs: tok/s by way of
+    decoding (no overlap, lockstep, half a step apart) against each one's bound, every round a dot."""
     runs = [r for r in records if r.name in ("tpot_ratio", "ttft_s") and any(k in r.extra for _, k, _, _ in SWEEPS)]
     values = {k: {r.extra[k] for r in runs if k in r.extra} for _, k, _, _ in SWEEPS}
     axis = next((sw for sw in SWEEPS if len(values[sw[1]]) > 1), None) or next(
         (sw for sw in SWEEPS if values[sw[1]]), None)
-    if axis is None:
+    dual = [r for r in records if r.name == "decode_tok_s" and "way" in r.extra]
+    if axis is None and not dual:
         return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (2 if axis else 0) + (1 if dual else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
+    if axis:
+        _sweep_panels(axes[0][0], axes[0][1], runs, values, axis)
+    if dual:
+        _dual_panel(axes[0][-1], dual)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
+def _dual_panel(ax, recs: list[Record]) -> None:
+    """Grouped bars: per nD scenario, each way's median tok/s, its rounds as dots, its bound as a dash."""
+    scenarios = sorted({r.extra["scenario"] for r in recs}, key=lambda n: parse_scenario(n).decodes)
+    ways = list(dict.fromkeys(r.extra["way"] for r in recs))
+    width = 0.8 / len(ways)
+    for j, way in enumerate(ways):
+        for i, sc in enumerate(scenarios):
+            r = next((r for r in recs if r.extra["scenario"] == sc and r.extra["way"] == way), None)
+            if r is None:
+                continue
+            x = i + (j - (len(ways) - 1) / 2) * width
+            ax.bar(x, r.value, width * 0.9, color=f"C{j}", label=way if i == 0 else None)
+            rounds = r.extra.get("tok_s_by_round", [])
+            ax.scatter([x] * len(rounds), rounds, color="black", s=8, zorder=3)
+            if r.bound:
+                ax.hlines(r.bound, x - width * 0.45, x + width * 0.45, color="gray", linestyle="--")
+    ax.set_xticks(range(len(scenarios)), scenarios)
+    ax.set(ylabel="decode tok/s (dash: bound, dots: rounds)", title="nD: dual-batch overlap")
+    ax.legend(fontsize=8)
+
+
+def _sweep_panels(ax, ax2, runs: list[Record], values: dict, axis) -> None:
+    """The 1P+1D sweep's two panels: the decode's TPOT ratio and the prompt's TTFT by the swept knob."""
     _, knob, _, xlabel = axis
     points: dict = {}  # other settings -> x -> metric -> [values]
     for r in runs:
         if knob in r.extra:
             other = tuple((name, r.extra[k]) for name, k, _, _ in SWEEPS if k != knob and k in r.extra)
             points.setdefault(other, {}).setdefault(r.extra[knob], {}).setdefault(r.name, []).append(r.value)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
 
     cap = knob == "stream_cap_gbps"  # 0 is none: drawn last
     order = lambda v: (float("inf") if cap and not v else float(v))  # noqa: E731
     xs = sorted(values[knob], key=order)
     at = {v: i for i, v in enumerate(xs)}
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for i, (other, pts) in enumerate(sorted(points.items(), key=lambda kv: str(kv[0]))):
         name = ", ".join(f"{n} {v}" for n, v in other) or "the policy's"
         for a, metric, marker in ((ax, "tpot_ratio", "o"), (ax2, "ttft_s", "s")):
@@ -468,7 +505,3 @@ def plot(records: list[Record], png: Path) -> Optional[Path]:
         a.legend(fontsize=8)
     ax.set(ylabel="decode TPOT during ÷ before (log)", title="1P+1D: decode beside the prefill")
     ax2.set(ylabel="TTFT (s)", title="1P+1D: the long prompt's TTFT")
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return png

@@ -157,6 +157,27 @@ def test_plot_draws_a_curve_per_other_setting(tmp_path):
     assert concurrency.plot([Record("tpot_ratio", 1.0, "x")], tmp_path / "none.png") is None
 
 
+def test_plot_draws_the_dual_batch_ways_beside_their_bounds(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from hybrid.bench import concurrency
+    from hybrid.bench.records import Record
+
+    bars = []
+    real_bar = matplotlib.axes.Axes.bar
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", lambda self, x, h, *a, **k: bars.append((k.get("label"), h))
+                        or real_bar(self, x, h, *a, **k))
+    ways = ("without overlap", "overlapped in lockstep", "overlapped, half a step apart")
+    recs = [Record("decode_tok_s", v, "tok/s", bound=b, m=n,
+                   extra={"scenario": f"{n}D", "way": way, "tok_s_by_round": [v - 1, v + 1]})
+            for n, base in ((2, 85.0), (4, 55.0)) for way, v, b in zip(ways, (base, base + 1, base * 1.3),
+                                                                         (base, base * 1.1, base * 1.2))]
+    recs.append(Record("decode_tok_s", 80.0, "tok/s", extra={"scenario": "2D"}))  # the main run's: no way, not drawn
+    assert concurrency.plot(recs, tmp_path / "d.png") == tmp_path / "d.png" and (tmp_path / "d.png").stat().st_size
+    assert len(bars) == 6 and [label for label, _ in bars if label] == list(ways)
+    assert [h for _, h in bars] == [85.0, 55.0, 86.0, 56.0, 85.0 * 1.3, 55.0 * 1.3]
+
+
 def test_plot_takes_the_knob_that_was_swept_with_repeats(tmp_path, monkeypatch):
     """bench.beside_sms=[0,32,0,32]: the SMs on the x axis (not the cap's), a point per run, the curve through the
     medians of each setting's runs."""
