@@ -106,7 +106,8 @@ def _cpu_experts_s(engine) -> Optional[float]:
 
 def _cpu_spans(engine, tracing: bool) -> list[tuple[int, int]]:
     """The graphed decode steps' CPU-expert calls since the last take, (submit, complete) in time.monotonic_ns()
-    (their native jobs' notes); from now on noted while `tracing`."""
+    (their native jobs' notes); from now on noted while `tracing`. Taken only while no call runs (the workers
+    write the notes)."""
     graphs = engine.parts.get("graphs")
     spans = []
     for job in graphs.jobs() if graphs is not None else []:
@@ -138,10 +139,6 @@ def _run_scenario(engine, sc: Scenario, d_prompts, p_prompt, new_tokens: int) ->
         cpu0, t0, ns0 = _cpu_experts_s(engine), time.perf_counter(), time.monotonic_ns()
         drv.steps(new_tokens)
         t1, cpu1, ns1 = time.perf_counter(), _cpu_experts_s(engine), time.monotonic_ns()
-        spans = _cpu_spans(engine, False)
-        if spans:  # the CPU's share of the timed steps, and what it waited per step
-            busy = cpu_busy(spans, ns0, ns1)
-            out["cpu_busy"], out["cpu_idle_s"] = busy / (ns1 - ns0), (ns1 - ns0 - busy) * 1e-9 / new_tokens
         out["before"] = [g for r in ds for g in _intervals(drv.times[r], t0, t1)]
         if cpu0 is not None:  # the CPU experts' share of a step, and the GPU's: what they leave of it
             out["cpu_s"] = (cpu1 - cpu0) / new_tokens
@@ -160,6 +157,11 @@ def _run_scenario(engine, sc: Scenario, d_prompts, p_prompt, new_tokens: int) ->
                 out["during_cpu_s"] = (cpu1 - cpu0) / (len(drv.times[ds[0]]) - steps0)
             out["during_tok_s"] = sum(t_arrive < t <= t_first for r in ds for t in drv.times[r]) / out["ttft"]
     drv.drain(ds)
+    if ds:  # the spans taken once nothing runs (a step launched ahead notes its calls until collected)
+        spans = _cpu_spans(engine, False)
+        if spans:  # the CPU's share of the timed steps, and what it waited per step
+            busy = cpu_busy(spans, ns0, ns1)
+            out["cpu_busy"], out["cpu_idle_s"] = busy / (ns1 - ns0), (ns1 - ns0 - busy) * 1e-9 / new_tokens
     return out
 
 
