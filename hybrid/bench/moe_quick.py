@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     ap.add_argument("--amx-min-tokens", type=int, default=None, help="tokens per expert from which the amx variant "
                     "runs AMX tiles (default: policy.cpu.amx_min_tokens's default)")
     ap.add_argument("--roof-gb", type=float, default=4.0, help="buffer of the read-roof probe (GB)")
-    ap.add_argument("--amx-scales", default="blocks", help="variants amx / amx_emulated at <= 16 tokens per expert: "
+    ap.add_argument("--amx-scales", default="blocks", help="variant amx at <= 32 tokens per expert: "
                     "where the block scales are applied, comma-separated ways timed in turn (blocks, activations)")
     ap.add_argument("--lanes", type=int, default=0, help="time decode's two-request step this many times per way "
                     "(one two-token call, two one-token calls in turn, two queued) instead of the layer")

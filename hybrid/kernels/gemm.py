@@ -30,7 +30,7 @@ def set_amx_min_tokens(m: int) -> None:
 
 
 def set_amx_scales(where: str) -> None:
-    """Variant amx at up to 16 tokens: each 128x128 block's scale applied to that block's dot products ("blocks",
+    """Variant amx at up to 32 tokens: each 128x128 block's scale applied to that block's dot products ("blocks",
     the default) or moved onto a hi/lo BF16 pair of scaled activations, so the tiles accumulate over all of K
     ("activations": an experiment, to be measured on an AMX CPU with `moe_quick --amx-scales`)."""
     _native.set_amx_scales(where)

@@ -36,7 +36,7 @@ SHAPES = [(16, 128), (17, 64), (65, 63), (130, 257), (257, 300), (300, 1100), (5
 
 @pytest.fixture(params=["blocks", "activations"])
 def where(request):
-    """Where the tiles apply the block scales at up to 16 tokens (Tunables::amx_scaled_x); blocks after the test."""
+    """Where the tiles apply the block scales at up to 32 tokens (Tunables::amx_scaled_x); blocks after the test."""
     set_amx_scales(request.param)
     yield request.param
     set_amx_scales("blocks")
@@ -128,15 +128,14 @@ def test_threshold_picks_the_path(amx_from):
 
 
 def test_scales_on_the_activations_take_their_own_path(amx_from):
-    """At up to 16 tokens "activations" sums other products than "blocks" (bitwise different, both within the
-    bounds: the run_and_check tests above); from 17 tokens on, or for a row range not starting on a 128-row block,
-    it is the blocks path, bit for bit."""
+    """At up to 32 tokens "activations" sums other products than "blocks" (bitwise different, both within the
+    bounds: the run_and_check tests above); from 33 tokens on it is the blocks path, bit for bit."""
     amx_from(1)
     rng = rng_for("amx-scales")
     w, s = weights(rng, 300, 700, "fp8")
-    x = bf16(rng, (24, 700))
+    x = bf16(rng, (40, 700))
     try:
-        for M, differs in ((1, True), (16, True), (17, False), (24, False)):
+        for M, differs in ((1, True), (16, True), (17, True), (32, True), (33, False), (40, False)):
             set_amx_scales("blocks")
             ref = gemm(x[:M], w, s, kernel="amx_emulated")
             set_amx_scales("activations")
