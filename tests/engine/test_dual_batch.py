@@ -217,23 +217,9 @@ class _StaggeredDecoder(_DualDecoder):
         return self.pending.pop(i)
 
 
-def _stepwise(engine: Engine, arrivals: dict, aborts: dict | None = None, steps: int = 200) -> dict:
+def _stepwise(engine: Engine, arrivals: dict, aborts: dict | None = None) -> dict:
     """As _drive, and each request gets at most one token per step; `aborts`: step -> request ids to abort."""
-    got = {}
-    for step in range(steps):
-        for prompt, params in arrivals.get(step, []):
-            got[engine.add_request(prompt, params)] = [prompt, params, [], None]
-        for rid in (aborts or {}).get(step, []):
-            engine.abort(rid)
-        for out in engine.step():
-            assert len(out.new_token_ids) <= 1, f"request {out.id} got {len(out.new_token_ids)} tokens in a step"
-            got[out.id][2] += out.new_token_ids
-            if out.finished:
-                got[out.id][3] = out.finish_reason
-        if step >= max(arrivals) and not engine.has_work():
-            break
-    assert not engine.has_work(), "requests left unfinished"
-    return got
+    return _drive(engine, arrivals, aborts=aborts, one_per_step=True)
 
 
 def test_staggered_micro_batches_keep_solo_tokens_and_run_half_a_step_apart(tiny_model):

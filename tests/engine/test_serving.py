@@ -30,15 +30,20 @@ def _solo(model, prompt, params, plan: Plan = PLAN) -> list[int]:
 
 
 def _drive(engine: Engine, arrivals: dict[int, list[tuple[list[int], SamplingParams]]], steps: int = 200,
-           got: dict | None = None):
-    """Steps the engine, adding requests at the given step numbers; returns id -> (prompt, params, tokens, reason)
-    (`got`: requests added before, updated)."""
+           got: dict | None = None, aborts: dict[int, list[int]] | None = None, one_per_step: bool = False):
+    """Steps the engine, adding requests at the given step numbers (and aborting `aborts`' ids at theirs); returns
+    id -> (prompt, params, tokens, reason) (`got`: requests added before, updated). `one_per_step`: fails if a
+    request gets more than one token in a step."""
     got = {} if got is None else got
     for step in range(steps):
         for prompt, params in arrivals.get(step, []):
             rid = engine.add_request(prompt, params)
             got[rid] = [prompt, params, [], None]
+        for rid in (aborts or {}).get(step, []):
+            engine.abort(rid)
         for out in engine.step():
+            assert not one_per_step or len(out.new_token_ids) <= 1, \
+                f"request {out.id} got {len(out.new_token_ids)} tokens in a step"
             got[out.id][2] += out.new_token_ids
             if out.finished:
                 got[out.id][3] = out.finish_reason
