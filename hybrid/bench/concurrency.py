@@ -298,7 +298,8 @@ def _dual_batch(engine, s, scenarios: list[Scenario], results: dict, d_prompts, 
     ways = [(False, s.policy.decode.dual_stagger)] + [(True, st) for st in
                                                         (list(b.dual_staggers) or [s.policy.decode.dual_stagger])]
     runs: dict = {}  # (join, way, scenario) -> per round, the scenario's results
-    labels: dict = {}
+    labels: dict = {}  # join or way -> how it resolved, for the records and the log
+    staggered: dict = {}  # way -> whether the plan ran it half a step apart (only under hostfn graphs)
     for _ in range(b.dual_rounds):
         for join in joins:
             for way in ways:
@@ -309,7 +310,7 @@ def _dual_batch(engine, s, scenarios: list[Scenario], results: dict, d_prompts, 
                 for n in sorted({sc.decodes for sc in scenarios}):  # warm-up: the micro-batches' graphs
                     _run_scenario(engine, Scenario(f"{n}D", 0, n), d_prompts, None, 4)
                 labels[join] = join or engine.plan.cpu_join  # null: what it resolved to
-                labels[(way, "stagger")] = engine.plan.dual_stagger  # only under hostfn graphs
+                staggered[way] = dual and engine.plan.dual_stagger
                 labels[way] = ("without overlap" if not dual else "two micro-batches in turn"
                                if engine.plan.cuda_graphs == "off" else "overlapped, half a step apart"
                                if engine.plan.dual_stagger else "overlapped in lockstep")
@@ -332,10 +333,10 @@ def _dual_batch(engine, s, scenarios: list[Scenario], results: dict, d_prompts, 
                 ratios = [d["before_tok_s"] / o["before_tok_s"] for o, d in zip(serial, rs)]
                 tok_s = [r["before_tok_s"] for r in rs]
                 idle = [r["cpu_idle_s"] for r in rs if "cpu_idle_s" in r]
-                staggered = dual and labels[(way, "stagger")]
                 tok = Record("decode_tok_s", statistics.median(tok_s), "tok/s", m=sc.decodes,
-                             extra={"scenario": sc.name, "dual_batch": dual, "dual_stagger": staggered, "way": labels[way],
-                                    "cpu_join": labels[join], "rounds": len(rs), "tok_s_by_round": tok_s, "vs_no_overlap": statistics.median(ratios)})
+                             extra={"scenario": sc.name, "dual_batch": dual, "dual_stagger": staggered[way],
+                                    "way": labels[way], "cpu_join": labels[join], "rounds": len(rs),
+                                    "tok_s_by_round": tok_s, "vs_no_overlap": statistics.median(ratios)})
                 if idle:
                     tok.extra["cpu_idle_s"] = statistics.median(idle)
                 if roof:
