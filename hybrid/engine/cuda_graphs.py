@@ -335,8 +335,8 @@ class GraphedDecode:
         if len(parts) != 2:
             raise ValueError(f"dual-batch decode takes two micro-batches, got {len(parts)}")
         graphs = [self._graph(lane, self._load(lane, part), capture) for lane, part in zip(self._dual_lanes(), parts)]
-        if any(g is None for g in graphs):
-            return [self(*part, capture=capture) for part in parts]
+        if any(g is None for g in graphs):  # one after the other on lane 0, whose graph of a batch size has one
+            return [self(*part, capture=capture).clone() for part in parts]  # logits tensor: copied before reuse
         if self.mode == "hostfn":
             return [self.collect(h) for h in [self._replay(lane, g) for lane, g in zip(self.lanes, graphs)]]
         main = torch.cuda.current_stream()

@@ -169,6 +169,28 @@ def test_graphed_dual_batch_keeps_solo_tokens(graphs):
         assert tokens == engine.generate([prompt], params)[0].output_ids
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dual_without_its_graphs_gives_each_micro_batch_its_logits():
+    """Where the lanes' graphs cannot be replayed (no capture while a prefill beside decode uses the GPU), dual()
+    runs both micro-batches on lane 0 one after the other: same batch size, same graph, one static logits tensor,
+    so the first one's logits must be copied before the second replay (on the H200, 2026-12-04, they were not:
+    the first micro-batch got the second's tokens)."""
+    s = to_settings(compose(["+hw=h200_xeon16", "policy=default", "policy.adapt_to_hardware=true",
+                             "model.dtype=float32", "policy.decode.cuda_graphs=hostfn", "policy.decode.dual_batch=true",
+                             "policy.kv.max_batch=2", "policy.decode.batch_cap=2", "policy.kv.max_context=512"]))
+    engine = build(s, s.hw, progress=False)
+    dec, dev = engine.parts["graphs"], engine.device
+    parts = [(torch.tensor([[t]], device=dev), torch.tensor([[3]], device=dev), torch.tensor([slot], device=dev), 4)
+             for t, slot in ((5, 0), (7, 1))]
+    with torch.cuda.stream(engine.stream):
+        alone = [dec(*part).clone() for part in parts]  # lane 0's graph of batch 1 captured, then replayed
+        both = dec.dual(parts, capture=False)
+    assert not any(lane.graphs for lane in dec.lanes)
+    assert not torch.equal(alone[0], alone[1])
+    for got, want in zip(both, alone):
+        assert torch.equal(got, want)
+
+
 STAGGER = Plan(max_batch=3, max_context=96, batch_cap=3, prefill_chunk_tokens=8, dual_batch=True, dual_stagger=True)
 
 
