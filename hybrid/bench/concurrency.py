@@ -499,8 +499,10 @@ def _sweep_panels(ax, ax2, runs: list[Record], values: dict, axis) -> None:
     ax.axhline(1.15, linestyle="--", color="gray", alpha=0.6, label="1.15x")
     # log: an uncapped stream can hold decode 20x, a capped one 1.1-1.3x; both readable on one axis
     ax.set_yscale("log")
+    lo, hi = ax.get_ylim()
+    fmt = "%.3f" if hi / lo < 1.2 else "%.2f"  # a narrow range's ticks a hundredth apart would read alike
     for axis_ticks in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
-        axis_ticks(matplotlib.ticker.FormatStrFormatter("%.2f"))
+        axis_ticks(matplotlib.ticker.FormatStrFormatter(fmt))
     for a in (ax, ax2):
         a.set_xticks(range(len(xs)), ["none" if cap and not v else f"{v:g}" if isinstance(v, float) else str(v)
                                       for v in xs])
