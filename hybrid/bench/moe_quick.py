@@ -20,7 +20,7 @@ import torch
 
 from hybrid.kernels import membw
 from hybrid.kernels.dispatch import available
-from hybrid.kernels.gemm import amx_scales, set_amx_min_tokens, set_amx_scales
+from hybrid.kernels.gemm import set_amx_min_tokens
 from hybrid.kernels.moe import CpuMoE
 from hybrid.kernels.thread_pool import set_threads, threads
 
@@ -47,8 +47,6 @@ def main(argv=None) -> None:
     ap.add_argument("--amx-min-tokens", type=int, default=None, help="tokens per expert from which the amx variant "
                     "runs AMX tiles (default: policy.cpu.amx_min_tokens's default)")
     ap.add_argument("--roof-gb", type=float, default=4.0, help="buffer of the read-roof probe (GB)")
-    ap.add_argument("--amx-scales", default="blocks", help="variant amx at <= 32 tokens per expert: "
-                    "where the block scales are applied, comma-separated ways timed in turn (blocks, activations)")
     ap.add_argument("--lanes", type=int, default=0, help="time decode's two-request step this many times per way "
                     "(one two-token call, two one-token calls in turn, two queued) instead of the layer")
     a = ap.parse_args(argv)
@@ -84,21 +82,15 @@ def main(argv=None) -> None:
             print(f"{kernel}: not on this CPU, skipped")
             continue
         op = CpuMoE(turn(w[0]), turn(w[1]), turn(w[2]), turn(s[0]), turn(s[1]), turn(s[2]), kernel=kernel)
-        ways = a.amx_scales.split(",") if kernel.startswith("amx") else [amx_scales()]
-        ts = {way: [] for way in ways}
-        for rep in range(a.repeats + 1):  # the ways in turn within each repeat (the host drifts); the first warms up
-            for way in ways:
-                set_amx_scales(way)
-                t0 = time.perf_counter()
-                op(x, ids, weights)
-                if rep:
-                    ts[way].append(time.perf_counter() - t0)
-        set_amx_scales("blocks")
-        for way in ways:
-            best, med = min(ts[way]), sorted(ts[way])[len(ts[way]) // 2]
-            name = f"{kernel} ({way})" if len(ways) > 1 else kernel
-            print(f"{name:24s} best {best * 1e3:7.1f} ms  median {med * 1e3:7.1f} ms  {gb / best:6.1f} GB/s "
-                  f"({gb / best / roof:4.0%} of the roof)  {flop / best / 1e12:5.2f} TFLOP/s")
+        op(x, ids, weights)  # warm-up
+        ts = []
+        for _ in range(a.repeats):
+            t0 = time.perf_counter()
+            op(x, ids, weights)
+            ts.append(time.perf_counter() - t0)
+        best, med = min(ts), sorted(ts)[len(ts) // 2]
+        print(f"{kernel:12s} best {best * 1e3:7.1f} ms  median {med * 1e3:7.1f} ms  {gb / best:6.1f} GB/s "
+              f"({gb / best / roof:4.0%} of the roof)  {flop / best / 1e12:5.2f} TFLOP/s")
 
 
 def lanes(a, kernels: list[str], gate, up, down, gs, us, ds, roof: float) -> None:

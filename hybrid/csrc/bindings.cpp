@@ -26,8 +26,6 @@ PYBIND11_MODULE(_native, m) {
   m.def("set_amx_min_m", &set_amx_min_m, "tokens from which variant amx runs an FP8 GEMM on AMX tiles");
   m.def("set_avx2_stream", &set_avx2_stream, "the AVX2 kernel's conversion of streaming FP8 rows: fp16 or registers");
   m.def("avx2_stream", &avx2_stream, "the AVX2 kernel's conversion of streaming FP8 rows in use");
-  m.def("set_amx_scales", &set_amx_scales, "variant amx, <= 32 tokens: block scales applied at blocks | activations");
-  m.def("amx_scales", &amx_scales, "where variant amx applies the block scales");
   m.def("selected_isa", &selected_isa, "the kernel variant a name resolves to on this CPU");
   m.def("set_num_threads", &set_num_threads, nogil(), "resize the kernel thread pool (0 = all CPUs)");
   m.def("num_threads", &num_threads, "threads in the kernel thread pool");

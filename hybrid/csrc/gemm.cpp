@@ -78,14 +78,6 @@ void set_avx2_stream(const std::string& how) {
 
 std::string avx2_stream() { return tunables().avx2_stream_fp16 ? "fp16" : "registers"; }
 
-void set_amx_scales(const std::string& where) {
-  if (where != "blocks" && where != "activations")
-    fail("amx scales must be applied at 'blocks' or 'activations', got '" + where + "'");
-  tunables().amx_scaled_x = where == "activations";
-}
-
-std::string amx_scales() { return tunables().amx_scaled_x ? "activations" : "blocks"; }
-
 void set_tile_min_m(int64_t m) {
   if (m < 1) fail("tile_min_m must be >= 1");
   tunables().tile_min_m = m;

@@ -70,13 +70,6 @@ struct Tunables {
   // 8 is a first guess, to be measured on an AMX CPU (bench=kernels, both variants; at T = 512, top-8 of 256
   // experts, an expert gets 16 tokens on average, at T = 128 four).
   int64_t amx_min_m = 8;
-  // Variant amx, at most 32 tokens: where each 128x128 block's scale is applied. false ("blocks"): to that block's
-  // dot products, its C tiles stored, scaled and added per block. true ("activations"): within one 128-row block
-  // of weights the scale depends only on the K block, so it is moved onto the activations, each s·x as a pair of
-  // BF16 (hi, lo; hi + lo = s·x to 2^-17 relative: two token tiles of one), and the C tiles accumulate over all of
-  // K with one store per 32 rows (16 at 17-32 tokens): an experiment against the C tiles' round trips, to be
-  // measured on an AMX CPU.
-  bool amx_scaled_x = false;
   // AVX2 kernel, 1-4 tokens: FP8 rows converted to FP16 in a small buffer (true) or to fp32 in registers, which
   // turns subnormal codes into fp32 subnormals (false: ~1.2x faster where FMAs take those at full speed, ~17x
   // slower where each takes a microcode assist). Default: registers on CPUs known to take them at full speed.

@@ -66,7 +66,7 @@ void gemm_rows_amx(const GemmProblem& p, const uint16_t* xv, int64_t n0, int64_t
   alignas(64) uint8_t before[64];
   _tile_storeconfig(before);  // all zero when no configuration is loaded
   _tile_loadconfig(&config);
-  amx_rows<Tiles>(p, xv, n0, n1, buf, thread_floats(amx_scratch_floats(p)));
+  amx_rows<Tiles>(p, xv, n0, n1, buf, thread_floats((p.M + 31) / 32 * 1024 + 1024));
   if (before[0] != 0) {
     _tile_loadconfig(before);
   } else {

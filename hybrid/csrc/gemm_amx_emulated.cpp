@@ -82,7 +82,7 @@ void prepare_x_amx(const GemmProblem& p, uint16_t* xv) {
 }
 
 void gemm_rows_amx_emulated(const GemmProblem& p, const uint16_t* xv, int64_t n0, int64_t n1, uint16_t* buf) {
-  amx_rows<Tiles>(p, xv, n0, n1, buf, thread_floats(amx_scratch_floats(p)));
+  amx_rows<Tiles>(p, xv, n0, n1, buf, thread_floats((p.M + 31) / 32 * 1024 + 1024));
 }
 
 }  // namespace hybrid

@@ -21,8 +21,6 @@ void set_tile_min_m(int64_t m);
 void set_amx_min_m(int64_t m);
 // The AVX2 kernel's conversion of streaming FP8 rows (1-4 tokens): "fp16" or "registers" (Tunables).
 void set_avx2_stream(const std::string& how);
-void set_amx_scales(const std::string& where);  // "blocks" | "activations" (Tunables::amx_scaled_x)
-std::string amx_scales();
 std::string avx2_stream();
 
 }  // namespace hybrid

@@ -29,17 +29,6 @@ def set_amx_min_tokens(m: int) -> None:
     _native.set_amx_min_m(m)
 
 
-def set_amx_scales(where: str) -> None:
-    """Variant amx at up to 32 tokens: each 128x128 block's scale applied to that block's dot products ("blocks",
-    the default) or moved onto a hi/lo BF16 pair of scaled activations, so the tiles accumulate over all of K
-    ("activations": an experiment, to be measured on an AMX CPU with `moe_quick --amx-scales`)."""
-    _native.set_amx_scales(where)
-
-
-def amx_scales() -> str:
-    return _native.amx_scales()
-
-
 def set_avx2_stream(how: str) -> None:
     """The AVX2 kernel's conversion of streaming FP8 rows (1-4 tokens): "registers" (fp32 in registers; subnormal
     codes become fp32 subnormals: fast where FMAs take those at full speed, AMD Zen) or "fp16" (through a small

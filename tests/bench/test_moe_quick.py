@@ -22,25 +22,3 @@ def test_random_routing_varies_the_tokens_per_expert_around_the_mean(capsys):
     assert lo <= 4 <= hi and lo < hi, out  # 64 picks over 16 experts, drawn with the run's seed
     moe_quick.main(args)
     assert "4 tokens per expert (balanced: 4-4)" in capsys.readouterr().out
-
-
-def test_amx_scales_are_timed_in_turn_within_each_repeat(capsys, monkeypatch):
-    """--amx-scales: each way set before its call, the ways alternating within every repeat, one line per way (a
-    stand-in op notes the way each call ran with; the real tiles need an AMX CPU)."""
-    seen = []
-
-    class Op:
-        def __init__(self, *a, **k):
-            pass
-
-        def __call__(self, x, ids, w):
-            seen.append(moe_quick.amx_scales())
-
-    monkeypatch.setattr(moe_quick, "available", lambda: ["amx"])
-    monkeypatch.setattr(moe_quick, "CpuMoE", Op)
-    moe_quick.main(["--experts", "8", "--distinct", "2", "--tokens-per-expert", "2", "--top-k", "4", "--threads", "2",
-                    "--kernels", "amx", "--repeats", "2", "--roof-gb", "0.1", "--amx-scales", "blocks,activations"])
-    out = capsys.readouterr().out
-    assert seen == ["blocks", "activations"] * 3  # a warm-up round, then the two repeats
-    assert "amx (blocks)" in out and "amx (activations)" in out
-    assert moe_quick.amx_scales() == "blocks", "put back after the run"

@@ -16,7 +16,7 @@ import torch
 
 from hybrid.config.schema import CpuPolicy
 from hybrid.kernels import dispatch
-from hybrid.kernels.gemm import amx_scales, gemm, set_amx_min_tokens, set_amx_scales
+from hybrid.kernels.gemm import gemm, set_amx_min_tokens
 from hybrid.kernels.moe import CpuMoE
 from tests.kernels.common import FP8, VALID_CODES, bf16, dense64, rel_errors, rng_for
 from tests.kernels.test_gemm import MAX_BOUND, P95_BOUND, run_and_check, same_on_1_and_2_threads, weights
@@ -34,14 +34,6 @@ M_SWEEP = [1, 15, 16, 17, 31, 32, 33, 64, 130]
 SHAPES = [(16, 128), (17, 64), (65, 63), (130, 257), (257, 300), (300, 1100), (576, 130)]
 
 
-@pytest.fixture(params=["blocks", "activations"])
-def where(request):
-    """Where the tiles apply the block scales at up to 32 tokens (Tunables::amx_scaled_x); blocks after the test."""
-    set_amx_scales(request.param)
-    yield request.param
-    set_amx_scales("blocks")
-
-
 @pytest.fixture
 def amx_from():
     """Sets the token count from which the tiles run; the default is back after the test."""
@@ -53,7 +45,7 @@ def amx_from():
 
 @pytest.mark.parametrize("N,K", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
 @pytest.mark.parametrize("variant", TILED)
-def test_tiles_match_float64(variant, N, K, amx_from, where):
+def test_tiles_match_float64(variant, N, K, amx_from):
     amx_from(1)
     rng = rng_for("amx-shapes", variant, N, K)
     w, s = weights(rng, N, K, "fp8")
@@ -63,7 +55,7 @@ def test_tiles_match_float64(variant, N, K, amx_from, where):
 
 
 @pytest.mark.parametrize("variant", TILED)
-def test_every_m_on_tiles(variant, amx_from, where):
+def test_every_m_on_tiles(variant, amx_from):
     """M = 1..48 with fresh inputs: every token-tile remainder, one and two token tiles per pass."""
     amx_from(1)
     for M in range(1, 49):
@@ -73,7 +65,7 @@ def test_every_m_on_tiles(variant, amx_from, where):
 
 
 @pytest.mark.parametrize("variant", TILED)
-def test_fp8_every_code_exact_on_tiles(variant, amx_from, where):
+def test_fp8_every_code_exact_on_tiles(variant, amx_from):
     """Identity activations read single weights back: every valid code at every lane of a 64-chunk decodes exactly
     through the tiles' layouts (scale 1)."""
     amx_from(1)
@@ -89,7 +81,7 @@ def test_fp8_every_code_exact_on_tiles(variant, amx_from, where):
 
 
 @pytest.mark.parametrize("variant", TILED)
-def test_strided_operands_on_tiles(variant, amx_from, where):
+def test_strided_operands_on_tiles(variant, amx_from):
     amx_from(1)
     for M, N, K in [(5, 200, 300), (20, 64, 640)]:
         rng = rng_for("amx-strided", variant, M, N, K)
@@ -102,7 +94,7 @@ def test_strided_operands_on_tiles(variant, amx_from, where):
 
 
 @pytest.mark.parametrize("variant", TILED)
-def test_thread_count_does_not_change_tiles(variant, amx_from, where):
+def test_thread_count_does_not_change_tiles(variant, amx_from):
     amx_from(1)
     rng = rng_for("amx-threads", variant)
     same_on_1_and_2_threads(rng, variant, tokens=20)
@@ -127,32 +119,9 @@ def test_threshold_picks_the_path(amx_from):
         assert torch.equal(gemm(x, w, s, kernel="amx"), gemm(x, w, s, kernel="avx512_bf16"))
 
 
-def test_scales_on_the_activations_take_their_own_path(amx_from):
-    """At up to 32 tokens "activations" sums other products than "blocks" (bitwise different, both within the
-    bounds: the run_and_check tests above); from 33 tokens on it is the blocks path, bit for bit."""
-    amx_from(1)
-    rng = rng_for("amx-scales")
-    w, s = weights(rng, 300, 700, "fp8")
-    x = bf16(rng, (40, 700))
-    try:
-        for M, differs in ((1, True), (16, True), (17, True), (32, True), (33, False), (40, False)):
-            set_amx_scales("blocks")
-            ref = gemm(x[:M], w, s, kernel="amx_emulated")
-            set_amx_scales("activations")
-            assert amx_scales() == "activations"
-            got = gemm(x[:M], w, s, kernel="amx_emulated")
-            assert (not torch.equal(got, ref)) == differs, f"M={M}"
-            p95, mx = rel_errors(got, ref.double())
-            assert p95 <= 2 * P95_BOUND and mx <= 2 * MAX_BOUND, f"M={M}: {p95:.2e} / {mx:.2e}"
-    finally:
-        set_amx_scales("blocks")
-    with pytest.raises(ValueError, match="'blocks' or 'activations'"):
-        set_amx_scales("tokens")
-
-
 @needs_amx
 @pytest.mark.parametrize("M", [8, 16, 64, 512])
-def test_deepseek_shape_real_tiles(M, amx_from, where):
+def test_deepseek_shape_real_tiles(M, amx_from):
     """2048 x 7168 (an expert's gate/up at hidden 7168) and 7168 x 2048 (down): real tiles vs float64 and vs the
     AVX-512 path (both within the bound of the reference, so within twice of each other)."""
     amx_from(1)
@@ -172,7 +141,7 @@ def test_deepseek_shape_real_tiles(M, amx_from, where):
 @pytest.mark.parametrize("D,I", DIMS, ids=[f"D{d}-I{i}" for d, i in DIMS])
 @pytest.mark.parametrize("wtype", ["fp8", "bf16"])
 @pytest.mark.parametrize("variant", TILED)
-def test_moe_on_tiles(variant, wtype, D, I, T, amx_min, amx_from, where):
+def test_moe_on_tiles(variant, wtype, D, I, T, amx_min, amx_from):
     """The MoE layer with experts on tiles and (amx_min 8) others on the small-M kernel in one call: the AMX
     layout of x and of h (written by gate/up for down), padded per expert."""
     amx_from(amx_min)
