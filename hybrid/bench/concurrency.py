@@ -104,16 +104,48 @@ def _cpu_experts_s(engine) -> Optional[float]:
     return None if graphs is None else sum(job.cpu_s for job in graphs.jobs())
 
 
-def _cpu_spans(engine, tracing: bool) -> list[tuple[int, int]]:
-    """The graphed decode steps' CPU-expert calls since the last take, (submit, complete) in time.monotonic_ns()
-    (their native jobs' notes); from now on noted while `tracing`. Taken only while no call runs (the workers
-    write the notes)."""
+def _cpu_spans(engine, tracing: bool) -> dict[int, list[tuple[int, int]]]:
+    """The graphed decode steps' CPU-expert calls since the last take, by job (id), each (submit, complete) in
+    time.monotonic_ns() (their native jobs' notes); from now on noted while `tracing`. Taken only while no call
+    runs (the workers write the notes)."""
     graphs = engine.parts.get("graphs")
-    spans = []
+    spans = {}
     for job in graphs.jobs() if graphs is not None else []:
-        spans += job.take_spans()
+        spans[id(job)] = job.take_spans()
         job.tracing = tracing
     return spans
+
+
+def _layer_spans(engine, spans: dict[int, list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
+    """The single-batch steps' calls by MoE layer (lane 0's graphs), from _cpu_spans' notes."""
+    graphs = engine.parts.get("graphs")
+    layers = graphs.layer_jobs() if graphs is not None else []
+    return [[span for job in jobs for span in spans.get(id(job), [])] for jobs in layers]
+
+
+def step_parts(layers: list[list[tuple[int, int]]], start: int, end: int) -> Optional[dict[str, float]]:
+    """Where the decode steps within [start, end) spent their time, from their CPU-expert calls by MoE layer (one
+    request decoding: the steps one after the other): per step, in the spans' unit, `cpu_experts` (the calls,
+    submit to complete), `between_layers` (from a call's end to the next layer's submit: the GPU's work in
+    between, inside the step's graph) and `between_steps` (from a step's last call to the next step's first: the
+    host's end and start of a step, and the GPU's work after the last call and before the first). Means over the
+    whole steps in the window that another step follows there; None without one."""
+    calls = sorted((s, e, layer) for layer, spans in enumerate(layers) for s, e in spans if start <= s and e <= end)
+    steps, step = [], []
+    for call in calls:
+        if call[2] == 0 and step:  # the first MoE layer's call opens a step
+            steps.append(step)
+            step = []
+        step.append(call)
+    if step:
+        steps.append(step)
+    order = list(range(len(layers)))  # a whole step: every layer's call once, in order
+    pairs = [(a, b) for a, b in zip(steps, steps[1:]) if [c[2] for c in a] == order]
+    if not pairs:
+        return None
+    return {"cpu_experts": statistics.fmean(sum(e - s for s, e, _ in st) for st, _ in pairs),
+            "between_layers": statistics.fmean(sum(b[0] - a[1] for a, b in zip(st, st[1:])) for st, _ in pairs),
+            "between_steps": statistics.fmean(nxt[0][0] - st[-1][1] for st, nxt in pairs)}
 
 
 def cpu_busy(spans: list[tuple[int, int]], start: int, end: int) -> float:
@@ -139,6 +171,7 @@ def _run_scenario(engine, sc: Scenario, d_prompts, p_prompt, new_tokens: int) ->
         cpu0, t0, ns0 = _cpu_experts_s(engine), time.perf_counter(), time.monotonic_ns()
         drv.steps(new_tokens)
         t1, cpu1, ns1 = time.perf_counter(), _cpu_experts_s(engine), time.monotonic_ns()
+        ns_of = lambda t: ns1 + round((t - t1) * 1e9)  # noqa: E731 - a perf_counter time on the spans' clock
         out["before"] = [g for r in ds for g in _intervals(drv.times[r], t0, t1)]
         if cpu0 is not None:  # the CPU experts' share of a step, and the GPU's: what they leave of it
             out["cpu_s"] = (cpu1 - cpu0) / new_tokens
@@ -158,10 +191,20 @@ def _run_scenario(engine, sc: Scenario, d_prompts, p_prompt, new_tokens: int) ->
             out["during_tok_s"] = sum(t_arrive < t <= t_first for r in ds for t in drv.times[r]) / out["ttft"]
     drv.drain(ds)
     if ds:  # the spans taken once nothing runs (a step launched ahead notes its calls until collected)
-        spans = _cpu_spans(engine, False)
+        by_job = _cpu_spans(engine, False)
+        spans = [span for job_spans in by_job.values() for span in job_spans]
         if spans:  # the CPU's share of the timed steps, and what it waited per step
             busy = cpu_busy(spans, ns0, ns1)
             out["cpu_busy"], out["cpu_idle_s"] = busy / (ns1 - ns0), (ns1 - ns0 - busy) * 1e-9 / new_tokens
+        if sc.decodes == 1 and spans:  # one request: its steps one after the other, split by their calls
+            layers = _layer_spans(engine, by_job)
+            windows = {"before": (ns0, ns1)}
+            if out.get("during"):
+                windows["during"] = (ns_of(t_arrive), ns_of(t_first))
+            for name, (a, b) in windows.items():
+                parts = step_parts(layers, a, b)
+                if parts:
+                    out[f"{name}_parts"] = {k: v * 1e-9 for k, v in parts.items()}
     return out
 
 
@@ -366,6 +409,8 @@ def _records(engine, sc: Scenario, results: dict, roof: float, h2d: float, promp
         extra = dict(common)
         if "cpu_s" in r:
             extra["cpu_experts_step_s"] = r["cpu_s"]
+        if "before_parts" in r:
+            extra["step_parts_s"] = r["before_parts"]
         solo = results.get("1D", {}).get("before")
         if solo and n > 1:
             extra["vs_1D"] = tpot / statistics.median(solo)
@@ -385,6 +430,8 @@ def _records(engine, sc: Scenario, results: dict, roof: float, h2d: float, promp
         extra = {**common, "worst_step_s": max(r["during"]), "steps": len(r["during"])}
         if "during_cpu_s" in r:  # the CPU experts' time of a step meanwhile (mean; the tpot_s record's before)
             extra["cpu_experts_step_s"] = r["during_cpu_s"]
+        if "during_parts" in r:
+            extra["step_parts_s"] = r["during_parts"]
         out.append(Record("tpot_during_prefill_s", during, "s", m=n, extra=extra))
         ratio = Record("tpot_ratio", during / before, "x", m=n,
                        extra={**common, "worst_step_ratio": max(r["during"]) / before})
@@ -410,6 +457,11 @@ def _say(sc: Scenario, r: dict) -> None:
     if r.get("during"):
         parts.append(f"TPOT during the prefill {statistics.median(r['during']) * 1e3:.1f} ms "
                      f"(worst step {max(r['during']) * 1e3:.0f} ms)")
+    for when in ("before", "during"):  # a step's mean by part, from its CPU-expert calls
+        if f"{when}_parts" in r:
+            p = r[f"{when}_parts"]
+            parts.append(f"{when}: CPU experts {p['cpu_experts'] * 1e3:.1f} ms + between layers "
+                         f"{p['between_layers'] * 1e3:.1f} + between steps {p['between_steps'] * 1e3:.1f} a step")
     print(f"  {sc.name}: " + ", ".join(parts), file=sys.stderr)
 
 

@@ -406,6 +406,12 @@ class GraphedDecode:
         """The native jobs of every captured graph (their own timings: cpu_s, calls)."""
         return [job for lane in (self.main, *self.lanes) for g in lane.graphs.values() for job, *_ in g.jobs]
 
+    def layer_jobs(self) -> list[list]:
+        """The single-batch steps' native jobs by MoE layer, in the model's order: each layer's job in every graph of
+        lane 0 (one per batch size and KV bucket)."""
+        by_graph = [[job for job, *_ in g.jobs] for g in self.main.graphs.values()]
+        return [list(jobs) for jobs in zip(*by_graph)]
+
     @staticmethod
     def _finish(graphs: list[_Graph]) -> None:
         """After the replays: the calls the streams joined by their signal words are joined on the host too (the

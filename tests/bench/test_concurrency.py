@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from hybrid.bench.concurrency import Scenario, _intervals, cpu_busy, parse_scenario
+from hybrid.bench.concurrency import (Scenario, _cpu_spans, _intervals, _layer_spans, cpu_busy, parse_scenario,
+                                      step_parts)
 from hybrid.config.compose import compose, to_settings
 from hybrid.errors import ConfigError
 
@@ -38,6 +39,54 @@ def test_cpu_busy_is_the_union_of_pending_calls_within_the_window():
     assert cpu_busy(spans, 0, 100) == 30 + 10 + 10
     assert cpu_busy(spans, 25, 95) == 15 + 10 + 5
     assert cpu_busy([], 0, 10) == 0 and cpu_busy([(0, 5)], 5, 10) == 0
+
+
+def test_step_parts_split_one_request_steps_by_their_calls():
+    """Two MoE layers; step k's calls at 100k + [0, 30) and 100k + [40, 60): 50 of CPU experts, 10 between the
+    layers, 40 from a step's last call to the next step's first."""
+    layers = [[(100 * k, 100 * k + 30) for k in range(4)], [(100 * k + 40, 100 * k + 60) for k in range(4)]]
+    assert step_parts(layers, 0, 400) == {"cpu_experts": 50, "between_layers": 10, "between_steps": 40}
+    # the window cuts the third step (its second call ends at 260): two whole steps followed by another
+    assert step_parts(layers, 0, 250) == step_parts(layers, 0, 400)
+    # a step without its second layer's call (e.g. all its experts on the GPU) is left out, not half counted
+    gappy = [layers[0], [span for k, span in enumerate(layers[1]) if k != 1]]
+    assert step_parts(gappy, 0, 400) == {"cpu_experts": 50, "between_layers": 10, "between_steps": 40}
+    assert step_parts([[(0, 30)], [(40, 60)]], 0, 400) is None  # one step, none after it
+    assert step_parts([], 0, 400) is None  # no graphs: no calls noted
+    # a step's time is the sum of its parts: here 100 = 50 + 10 + 40
+    parts = step_parts(layers, 0, 400)
+    assert sum(parts.values()) == 100
+
+
+class _Job:
+    def __init__(self, spans):
+        self.spans, self.tracing = spans, False
+
+    def take_spans(self):
+        spans, self.spans = self.spans, []
+        return spans
+
+
+def test_layer_spans_gather_each_layer_across_the_graphs():
+    """Lane 0's graphs (one per KV bucket here) each hold a job per MoE layer; a layer's calls are those of its job
+    in every graph; jobs of the other lanes are taken (cleared) but belong to no layer."""
+    g1, g2, lane = [_Job([(0, 5)]), _Job([(6, 9)])], [_Job([(20, 25)]), _Job([(26, 29)])], _Job([(1, 2)])
+
+    class Graphs:
+        def jobs(self):
+            return [*g1, *g2, lane]
+
+        def layer_jobs(self):
+            return [[g1[0], g2[0]], [g1[1], g2[1]]]
+
+    class Engine:
+        parts = {"graphs": Graphs()}
+
+    taken = _cpu_spans(Engine, True)
+    assert all(job.tracing and job.spans == [] for job in (*g1, *g2, lane))
+    assert _layer_spans(Engine, taken) == [[(0, 5), (20, 25)], [(6, 9), (26, 29)]]
+    assert step_parts(_layer_spans(Engine, taken), 0, 30) == {"cpu_experts": 8, "between_layers": 1,
+                                                               "between_steps": 11}
 
 
 def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on the CPU on a GPU machine too

@@ -150,9 +150,9 @@ def test_graphed_dual_batch_keeps_solo_tokens(graphs):
     graphs, _, rest = graphs.partition(":")
     join, _, lockstep = rest.partition(":")
     s = to_settings(compose(["+hw=h200_xeon16", "policy=default", f"policy.decode.dual_stagger={not lockstep}",
-                             "policy.adapt_to_hardware=true", "model.dtype=float32", f"policy.decode.cpu_join={join or 'null'}",
-                             f"policy.decode.cuda_graphs={graphs}", "policy.decode.dual_batch=true",
-                             "policy.decode.batch_invariant=true",
+                             "policy.adapt_to_hardware=true", "model.dtype=float32",
+                             f"policy.decode.cpu_join={join or 'null'}", f"policy.decode.cuda_graphs={graphs}",
+                             "policy.decode.dual_batch=true", "policy.decode.batch_invariant=true",
                              "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "policy.kv.max_context=512"]))
     engine = build(s, s.hw, progress=False)
     dec, launched = engine.parts["graphs"], []
