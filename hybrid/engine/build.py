@@ -267,7 +267,7 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
                 prefill_sms=prefill_sms(device, p.prefill.beside_sms) if p.prefill.beside_decode else None,
                 gpu_weights=p.gpu.weights, gpu_fp8_gemm=p.gpu.fp8_gemm, gpu_fp8_dequant_rows=p.gpu.fp8_dequant_rows,
                 cuda_graphs=p.decode.cuda_graphs if graphs else "off", dual_batch=dual_batch(p, graphs),
-                dual_stagger=p.decode.dual_stagger and graphs and p.decode.cuda_graphs == "hostfn",
+                dual_stagger=p.decode.dual_stagger and hostfn_graphs(p, graphs),
                 mapped_outputs=mapped, cpu_join=join,
                 gpu_experts_per_layer=p.gpu.experts_per_layer, gpu_pad_rows=placed.gemm.pad_rows, ledger=ledger)
     print(plan.describe(), file=sys.stderr)
@@ -365,6 +365,11 @@ def dual_batch(p: PolicyConfig, graphs: bool) -> bool:
     test machine), off elsewhere (eagerly, or on the CPU, the two halves run in turn and gain nothing)."""
     if p.decode.dual_batch is not None:
         return p.decode.dual_batch
+    return hostfn_graphs(p, graphs)
+
+
+def hostfn_graphs(p: PolicyConfig, graphs: bool) -> bool:
+    """Whether decode replays hostfn graphs (`graphs`: whether graphs apply here at all, graphs_apply)."""
     return graphs and p.decode.cuda_graphs == "hostfn"
 
 
