@@ -42,3 +42,58 @@ def test_a_read_in_place_sees_the_host_write_before_it_and_strides():
     assert torch.equal(read_in_place(host[:, 1:3], dev, torch.int64).cpu(), host[:, 1:3])
     host.fill_(7)
     assert torch.equal(read_in_place(host, dev, torch.float32).cpu(), torch.full((4, 6), 7.0))
+
+
+class _Event:
+    """A stand-in CUDA event: its waits are logged."""
+
+    log: list = []
+
+    def __init__(self):
+        self.recorded = False
+
+    def record(self):
+        self.recorded = True
+
+    def synchronize(self):
+        _Event.log.append(self)
+
+
+def test_step_inputs_go_through_a_ring_of_slots_reused_only_after_their_read():
+    from hybrid.engine.staging import _RowRing
+
+    reads = []
+
+    def reader(host, device, dtype):  # the GPU's read of the slot: a copy at the time it is queued
+        reads.append(host.data_ptr())
+        return host.to(dtype).clone()
+
+    _Event.log = []
+    ring = _RowRing(torch.device("cpu"), slot_elems=12, reader=reader, event=_Event, pin=False)
+    tables = [[[i, 10 + i, 2]] if i % 2 else [[i, 20 + i, 0], [i + 1, 30 + i, 1]] for i in range(2 * ring.SLOTS + 3)]
+    outs = [ring(t) for t in tables]
+    for t, out in zip(tables, outs):
+        assert out.dtype == torch.long and out.tolist() == t
+    # one slot after another, round the ring: a slot's second write waits for the read after its first one
+    assert len(set(reads)) == ring.SLOTS and reads[:ring.SLOTS] == reads[ring.SLOTS:2 * ring.SLOTS]
+    assert len(_Event.log) == len(tables) - ring.SLOTS and all(e.recorded for e in _Event.log)
+    big = [[1, 2, 3]] * 5  # more than a slot: copied, no slot taken
+    assert ring(big).tolist() == big and len(reads) == len(tables)
+
+
+def test_step_inputs_are_copied_where_nothing_is_read_in_place():
+    s = Staging(8, 2, pin=False, mapped=True)
+    got = s.rows([[5, 6, 0], [7, 8, 1]], torch.device("cpu"))
+    assert got.dtype == torch.long and got.tolist() == [[5, 6, 0], [7, 8, 1]] and s._rows is None
+
+
+@cuda
+def test_step_inputs_read_in_place_equal_the_copy():
+    dev = torch.device("cuda")
+    s = Staging(64, 4, pin=True, mapped=True)
+    tables = [[[i, 100 + i, i % 3]] * (1 + i % 4) for i in range(20)]
+    outs = [s.rows(t, dev) for t in tables]
+    torch.cuda.synchronize()
+    assert s._rows is not None, "a GPU with pinned buffers reads the inputs in place"
+    for t, out in zip(tables, outs):
+        assert out.device.type == "cuda" and out.dtype == torch.long and out.cpu().tolist() == t
