@@ -192,8 +192,7 @@ class DecodePolicy:
     # experts (null: on where decode runs hostfn graphs, off elsewhere)
     dual_stagger: bool = True  # dual_batch under hostfn graphs: each micro-batch's next step launched once sampled
     batch_invariant: bool = False  # GPU: a sequence's decode numbers independent of its batch mates (placement)
-    mapped_outputs: bool = True  # GPU: the CPU experts' outputs (and each step's inputs) read in place from pinned
-    # memory, not copied
+    mapped_outputs: bool = True  # GPU: the CPU experts' outputs read in place from pinned memory, not copied back
     cpu_join: Optional[str] = None  # hostfn graphs: the GPU waits for the CPU experts on a signal word | a host node
 
     def __post_init__(self) -> None:

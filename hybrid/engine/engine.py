@@ -489,11 +489,8 @@ class Engine:
         """A decode step's (tokens_B1, pos_B1, slots_B, kv_len) for these requests: each one's last token at its
         position."""
         positions = [r.position - 1 for r in reqs]
-        # one table for the three, read in place from pinned memory where the staging reads the CPU experts'
-        # outputs so (a copy would wait behind a prefill's expert copies beside decode), else copied
-        rows = [[r.output[-1], p, r.slot] for r, p in zip(reqs, positions)]
-        staging = self.parts.get("staging")
-        both = staging.rows(rows, self.device) if staging is not None else torch.tensor(rows, device=self.device)
+        # one host-to-device copy for the three (each copy may wait behind a prefill's expert copies beside decode)
+        both = torch.tensor([[r.output[-1], p, r.slot] for r, p in zip(reqs, positions)], device=self.device)
         return both[:, 0:1].contiguous(), both[:, 1:2].contiguous(), both[:, 2].contiguous(), max(positions) + 1
 
     def _eager_decode(self, tokens_B1, pos_B1, slots_B, kv_len: int, capture: bool = True) -> torch.Tensor:

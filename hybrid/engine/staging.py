@@ -12,9 +12,7 @@ With `mapped` (policy.decode.mapped_outputs), the CPU op's output is not copied 
 it straight from the pinned buffer over PCIe (the buffer's address is valid on the GPU: unified addressing) and
 writes it in the model's dtype. The GPU's copy engine runs host-to-device copies in the order they were queued,
 and a stream-loading prefill beside decode keeps expert copies queued there; a decode step's outputs read this way
-never wait behind them. Its inputs likewise (`rows`): each step's few integers are written into one of a ring of
-pinned slots and read by a kernel, where a copy from pageable memory would hold the engine's thread until the
-copy engine reached it.
+never wait behind them.
 
 `Deferral` is KTransformers' expert deferral (policy.cpu.deferred_experts = D; placement's DeferredCpuExperts): each
 token's D lowest-weighted experts run after the others, overlapping the next layer's attention; their output joins
@@ -69,7 +67,6 @@ class Staging:
         # CUDA graphs: by lane, allocated once, never moved (graphs hold addresses)
         self._fixed: dict[int, _Buffers] = {}
         self._lane = 0  # the lane a graph being captured copies into
-        self._rows: Optional[_RowRing] = None  # decode inputs read in place (mapped): made on first use
 
     def reserve(self, rows: int, lane: int = 0) -> None:
         """The fixed buffers CUDA graphs of `lane` copy into, for up to `rows` tokens (allocate before capturing)."""
@@ -132,47 +129,6 @@ class Staging:
         if self.mapped and out_h.is_pinned():
             return read_in_place(out_h, like.device, like.dtype)
         return out_h.to(like.device, non_blocking=True).to(like.dtype)
-
-
-    def rows(self, rows: list[list[int]], device: torch.device) -> torch.Tensor:
-        """A small int64 table (a decode step's inputs, one row per request) on `device`: read in place from a
-        pinned slot where outputs are (`mapped`), else copied."""
-        if not self.mapped or device.type != "cuda":
-            return torch.tensor(rows, dtype=torch.long, device=device)
-        if self._rows is None:
-            self._rows = _RowRing(device)
-        return self._rows(rows)
-
-
-class _RowRing:
-    """Pinned slots for small int64 tables read in place by a kernel on the current stream; a slot is written
-    again only once the read queued after its last write has run (its event), so a step launched ahead never sees
-    the next step's rows. `reader` and `event`: the GPU read and a CUDA event (tests pass stand-ins)."""
-
-    SLOTS = 8
-
-    def __init__(self, device: torch.device, slot_elems: int = 1024, reader=None, event=None, pin: bool = True):
-        self.device = device
-        self.reader = reader or read_in_place
-        self.event = event or (lambda: torch.cuda.Event())
-        self.slots = [torch.empty(slot_elems, dtype=torch.long, pin_memory=pin) for _ in range(self.SLOTS)]
-        self.read: list = [None] * self.SLOTS  # each slot's last read, as an event recorded after it
-        self.next = 0
-
-    def __call__(self, rows: list[list[int]]) -> torch.Tensor:
-        host = torch.tensor(rows, dtype=torch.long)
-        n = host.numel()
-        if n > self.slots[0].numel():  # more than a slot holds (not a decode step's inputs): copied
-            return host.to(self.device)
-        i, self.next = self.next, (self.next + 1) % self.SLOTS
-        if self.read[i] is not None:
-            self.read[i].synchronize()  # long done in practice: seven reads were queued since
-        slot = self.slots[i][:n].view(host.shape)
-        slot.copy_(host)
-        out = self.reader(slot, self.device, torch.long)
-        self.read[i] = ev = self.event()
-        ev.record()
-        return out
 
 
 class Deferral:
