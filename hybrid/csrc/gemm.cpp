@@ -98,6 +98,11 @@ void set_amx_min_m(int64_t m) {
   tunables().amx_min_m = m;
 }
 
+void set_amx_prefetch(int64_t bytes) {
+  if (bytes < -1) fail("amx_prefetch must be -1 (the next row group), 0 (none) or a byte distance > 0");
+  tunables().amx_prefetch = bytes;
+}
+
 void prepare_x(Isa isa, const GemmProblem& p, Scratch<uint16_t>& buf, const uint16_t** xprep) {
   *xprep = nullptr;
   const XLayout layout = x_layout(isa, p);

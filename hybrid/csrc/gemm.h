@@ -70,6 +70,10 @@ struct Tunables {
   // 8 is a first guess, to be measured on an AMX CPU (bench=kernels, both variants; at T = 512, top-8 of 256
   // experts, an expert gets 16 tokens on average, at T = 128 four).
   int64_t amx_min_m = 8;
+  // Variant amx: where each FP8 load's prefetch into L2 points: -1 = the same spot of the next 32-row group (whose
+  // bytes then arrive while this group's tiles multiply), 0 = no prefetch (the hardware prefetchers alone),
+  // n > 0 = n bytes further along the same row.
+  int64_t amx_prefetch = -1;
   // AVX2 kernel, 1-4 tokens: FP8 rows converted to FP16 in a small buffer (true) or to fp32 in registers, which
   // turns subnormal codes into fp32 subnormals (false: ~1.2x faster where FMAs take those at full speed, ~17x
   // slower where each takes a microcode assist). Default: registers on CPUs known to take them at full speed.

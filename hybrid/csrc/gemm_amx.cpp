@@ -21,9 +21,10 @@ struct alignas(64) TileConfig {
 struct Tiles {
   static void convert(const GemmProblem& p, int64_t n, int64_t count, int64_t c0, int64_t c1, uint16_t* buf,
                       int64_t ld) {
-    // prefetched into L2 as each row is converted: the same spot of the next 32-row group, so that group's bytes
-    // arrive while this one's tiles are multiplied
-    convert_rows_avx512(p, n, count, c0, c1, kAmxRows * p.ldw, buf, ld);
+    // prefetched into L2 as each row is converted: by default the same spot of the next 32-row group, so that
+    // group's bytes arrive while this one's tiles are multiplied (tunables().amx_prefetch)
+    const int64_t ahead = tunables().amx_prefetch;
+    convert_rows_avx512(p, n, count, c0, c1, ahead < 0 ? kAmxRows * p.ldw : ahead, buf, ld);
   }
   template <int T>
   static void zero() {

@@ -29,6 +29,12 @@ def set_amx_min_tokens(m: int) -> None:
     _native.set_amx_min_m(m)
 
 
+def set_amx_prefetch(bytes_ahead: int) -> None:
+    """Variant amx: where each FP8 load's prefetch into L2 points: -1 the same spot of the next 32-row group (the
+    default), 0 none (the hardware prefetchers alone), n > 0 n bytes further along the row."""
+    _native.set_amx_prefetch(bytes_ahead)
+
+
 def set_avx2_stream(how: str) -> None:
     """The AVX2 kernel's conversion of streaming FP8 rows (1-4 tokens): "registers" (fp32 in registers; subnormal
     codes become fp32 subnormals: fast where FMAs take those at full speed, AMD Zen) or "fp16" (through a small

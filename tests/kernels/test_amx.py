@@ -16,7 +16,7 @@ import torch
 
 from hybrid.config.schema import CpuPolicy
 from hybrid.kernels import dispatch
-from hybrid.kernels.gemm import gemm, set_amx_min_tokens
+from hybrid.kernels.gemm import gemm, set_amx_min_tokens, set_amx_prefetch
 from hybrid.kernels.moe import CpuMoE
 from tests.kernels.common import FP8, VALID_CODES, bf16, dense64, rel_errors, rng_for
 from tests.kernels.test_gemm import MAX_BOUND, P95_BOUND, run_and_check, same_on_1_and_2_threads, weights
@@ -189,6 +189,28 @@ def test_auto_prefers_amx(monkeypatch):
     assert (dispatch.selected() == "amx") == HAS_AMX
     assert dispatch.selected("amx_emulated") == "amx_emulated"  # any CPU: a test path, not a variant to choose
     assert "amx_emulated" not in dispatch.VARIANTS
+
+
+@needs_amx
+def test_prefetch_distance_changes_no_result(amx_from):
+    """The prefetch (a hint) at each distance moe_quick compares: the same bits, the default put back after."""
+    amx_from(1)
+    rng = rng_for("amx-prefetch")
+    w, s = weights(rng, 300, 1100, "fp8")
+    x = bf16(rng, (33, 1100))
+    try:
+        got = []
+        for ahead in (-1, 0, 512):
+            set_amx_prefetch(ahead)
+            got.append(gemm(x, w, s, kernel="amx"))
+    finally:
+        set_amx_prefetch(-1)
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+
+
+def test_amx_prefetch_checked():
+    with pytest.raises(ValueError, match="amx_prefetch must be -1"):
+        set_amx_prefetch(-2)
 
 
 def test_amx_min_tokens_checked():
