@@ -1,6 +1,7 @@
 """`mode=bench bench=concurrency`: does a second request wreck the first one's latency? The source paper's
 micro-benchmarks through the engine's scheduler, the policy deciding how a long prompt runs (held in a step of its
-own, or beside decode with its stream capped: policy.prefill.beside_decode, stream_cap_gbps):
+own, or beside decode at a share of the time or with its stream capped: policy.prefill.beside_decode,
+stream_duty, stream_cap_gbps):
 
 - nD: n requests of `bench.prompt_tokens` tokens decoding together, `bench.new_tokens` steps timed;
 - 1P: a prompt of `bench.long_prompt_tokens` tokens alone: its TTFT is the solo TTFT;
@@ -8,11 +9,13 @@ own, or beside decode with its stream capped: policy.prefill.beside_decode, stre
   token.
 
 Records per scenario: each decode's TPOT (median step) before the prompt arrived, while it was prefilled (median
-and the worst step: a held prefill is one long step) and their ratio; the prompt's TTFT against the solo TTFT;
+and the worst step: a held prefill is one long step) and their ratio, by median and by mean step (tpot_ratio,
+tpot_mean_ratio: under a duty cycle only the mean counts the steps beside the working prefill as often as they come); the prompt's TTFT against the solo TTFT;
 decode tokens/s against the bound measured in the same run — the routed-expert bytes a step of n reads ÷ the read
 roof, and while a prompt streams through the GPU, ÷ the roof less the stream's copy rate (min(cap, pinned H2D
-rate)): the stream reads the same DRAM. `bench.stream_caps` repeats 1P+1D with the prompt beside decode at each cap
-(the trade-off curve: cap → TPOT ratio, TTFT; plotted beside the JSON); `bench.beside_cores` and
+rate)): the stream reads the same DRAM. `bench.stream_duties` repeats 1P+1D with the prompt beside decode at each
+duty cycle (the trade-off curve: duty → TPOT ratio, TTFT; plotted beside the JSON), `bench.stream_caps` at each
+cap; `bench.beside_cores` and
 `bench.attention_chunks`, `bench.stream_queues`, `bench.mapped_outputs`, `bench.beside_sms` likewise at each
 policy.prefill.beside_cores, attention_chunk_tokens, stream_queue_mb, policy.decode.mapped_outputs and
 policy.prefill.beside_sms; given together, at every combination (one rebuild each, a curve per
@@ -284,7 +287,8 @@ def measure(engine, s) -> Records:
 
 # the sweeps of 1P+1D beside decode: label, policy knob (policy.prefill's unless named group.knob), bench key, and the
 # plot's axis for it
-SWEEPS = (("cap", "stream_cap_gbps", "stream_caps", "stream cap while decoding (GB/s)"),
+SWEEPS = (("duty", "stream_duty", "stream_duties", "prefill's share of the time while decoding"),
+          ("cap", "stream_cap_gbps", "stream_caps", "stream cap while decoding (GB/s)"),
           ("cores", "beside_cores", "beside_cores", "CPU cores left to the prefill"),
           ("chunks", "attention_chunk_tokens", "attention_chunks", "prefill attention query chunk (tokens)"),
           ("queue", "stream_queue_mb", "stream_queues", "stream copies queued on the GPU (MB)"),
@@ -300,6 +304,15 @@ def _grid(b) -> list[dict]:
     return [dict(zip([k for k, _ in swept], values)) for values in itertools.product(*[v for _, v in swept])]
 
 
+def _policy_value(knob: str, v):
+    """A sweep's value as the policy takes it: a stream cap of 0 and a duty of 1 are none."""
+    if knob == "stream_cap_gbps":
+        return v or None
+    if knob == "stream_duty":
+        return None if v == 1 else v
+    return v
+
+
 def _again(engine, s, point: dict, d_prompts, p_prompt, results: dict, roof: float, h2d: float):
     """1P+1D once more, the prompt beside decode with policy.prefill.<knob> = value for each of `point` (the rest
     of the policy as the run's; a stream cap of 0 is none): the rebuilt engine and the scenario's records, each
@@ -310,10 +323,10 @@ def _again(engine, s, point: dict, d_prompts, p_prompt, results: dict, roof: flo
     groups: dict = {"prefill": {"beside_decode": True}}
     for knob, v in point.items():
         group, _, name = knob.rpartition(".")
-        groups.setdefault(group or "prefill", {})[name] = (v or None) if knob == "stream_cap_gbps" else v
+        groups.setdefault(group or "prefill", {})[name] = _policy_value(knob, v)
     p = replace(s.policy, **{g: replace(getattr(s.policy, g), **kv) for g, kv in groups.items()})
     engine = rebuild(engine, replace(s, policy=p), s.hw)
-    label = " ".join(f"{name} {point[knob] if point[knob] or knob != 'stream_cap_gbps' else 'none'}"
+    label = " ".join(f"{name} {'none' if _policy_value(knob, point[knob]) is None else point[knob]}"
                      for name, knob, _, _ in SWEEPS if knob in point)
     sc = Scenario(f"1P+1D {label}", 1, 1)
     results[sc.name] = r = _run_scenario(engine, sc, d_prompts, p_prompt, s.bench.new_tokens)
@@ -435,10 +448,15 @@ def _records(engine, sc: Scenario, results: dict, roof: float, h2d: float, promp
         out.append(Record("tpot_during_prefill_s", during, "s", m=n, extra=extra))
         ratio = Record("tpot_ratio", during / before, "x", m=n,
                        extra={**common, "worst_step_ratio": max(r["during"]) / before})
+        # every step counted: under a duty cycle the steps while the prefill rests are decode's own, and a median
+        # of the mixture would hide the others
+        mean = Record("tpot_mean_ratio", statistics.fmean(r["during"]) / statistics.fmean(r["before"]), "x", m=n,
+                      extra=dict(common))
         solo = results.get(f"{n}D", {}).get("before")  # the same decodes alone, in their own scenario
         if solo:
             ratio.extra["vs_solo"] = during / statistics.median(solo)
-        out.append(ratio)
+            mean.extra["vs_solo"] = statistics.fmean(r["during"]) / statistics.fmean(solo)
+        out += [ratio, mean]
         tok = Record("decode_tok_s_during_prefill", r["during_tok_s"], "tok/s", m=n, extra=dict(common))
         stream = _stream_gbs(engine, h2d, prompt_tokens)
         if roof and roof > stream:
@@ -456,7 +474,8 @@ def _say(sc: Scenario, r: dict) -> None:
         parts.append(f"TTFT {r['ttft']:.3f} s")
     if r.get("during"):
         parts.append(f"TPOT during the prefill {statistics.median(r['during']) * 1e3:.1f} ms "
-                     f"(worst step {max(r['during']) * 1e3:.0f} ms)")
+                     f"(mean {statistics.fmean(r['during']) * 1e3:.1f} against {statistics.fmean(r['before']) * 1e3:.1f} "
+                     f"before, worst step {max(r['during']) * 1e3:.0f} ms)")
     for when in ("before", "during"):  # a step's mean by part, from its CPU-expert calls
         if f"{when}_parts" in r:
             p = r[f"{when}_parts"]
@@ -479,7 +498,8 @@ def plot(records: list[Record], png: Path) -> Optional[Path]:
     values -> the decode's TPOT ratio and the prompt's TTFT, a curve per setting of the other sweeps; each run a
     point, the curve through the medians of a setting's repeats. And bench.dual_batch's nD runs: tok/s by way of
     decoding (no overlap, lockstep, half a step apart) against each one's bound, every round a dot."""
-    runs = [r for r in records if r.name in ("tpot_ratio", "ttft_s") and any(k in r.extra for _, k, _, _ in SWEEPS)]
+    runs = [r for r in records if r.name in ("tpot_ratio", "tpot_mean_ratio", "ttft_s")
+            and any(k in r.extra for _, k, _, _ in SWEEPS)]
     values = {k: {r.extra[k] for r in runs if k in r.extra} for _, k, _, _ in SWEEPS}
     axis = next((sw for sw in SWEEPS if len(values[sw[1]]) > 1), None) or next(
         (sw for sw in SWEEPS if values[sw[1]]), None)
@@ -535,16 +555,18 @@ def _sweep_panels(ax, ax2, runs: list[Record], values: dict, axis) -> None:
     import matplotlib.ticker
 
     cap = knob == "stream_cap_gbps"  # 0 is none: drawn last
-    order = lambda v: (float("inf") if cap and not v else float(v))  # noqa: E731
+    order = lambda v: (float("inf") if cap and not v else float(v))  # noqa: E731 (a duty of 1, none, is last)
     xs = sorted(values[knob], key=order)
     at = {v: i for i, v in enumerate(xs)}
     for i, (other, pts) in enumerate(sorted(points.items(), key=lambda kv: str(kv[0]))):
         name = ", ".join(f"{n} {v}" for n, v in other) or "the policy's"
-        for a, metric, marker in ((ax, "tpot_ratio", "o"), (ax2, "ttft_s", "s")):
+        for a, metric, marker, style in ((ax, "tpot_ratio", "o", "-"), (ax, "tpot_mean_ratio", "^", ":"),
+                                         (ax2, "ttft_s", "s", "-")):
             line = [(at[v], statistics.median(m[metric])) for v, m in sorted(pts.items(), key=lambda kv: order(
                 kv[0])) if metric in m]
             if line:
-                a.plot(*zip(*line), marker=marker, color=f"C{i}", label=name)
+                a.plot(*zip(*line), marker=marker, linestyle=style, color=f"C{i}",
+                       label=f"{name} (mean step)" if metric == "tpot_mean_ratio" else name)
             dots = [(at[v], y) for v, m in pts.items() for y in m.get(metric, [])]
             if len(dots) > len(line):  # repeats: every run shown
                 a.scatter(*zip(*dots), color=f"C{i}", alpha=0.35, s=14)
@@ -560,5 +582,6 @@ def _sweep_panels(ax, ax2, runs: list[Record], values: dict, axis) -> None:
                                       for v in xs])
         a.set_xlabel(xlabel)
         a.legend(fontsize=8)
-    ax.set(ylabel="decode TPOT during ÷ before (log)", title="1P+1D: decode beside the prefill")
+    ax.set(ylabel="decode TPOT during ÷ before (log; median step, dotted: mean)",
+           title="1P+1D: decode beside the prefill")
     ax2.set(ylabel="TTFT (s)", title="1P+1D: the long prompt's TTFT")

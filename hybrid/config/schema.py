@@ -162,6 +162,7 @@ class PrefillPolicy:
     ep: str = "smallep"  # experts over two GPUs: smallep (tokens gathered, partial sums exchanged) | ep (picks sent)
     beside_decode: bool = False  # a stream-loaded prompt runs on a thread of its own while the others keep decoding
     stream_cap_gbps: Optional[float] = None  # beside decode, while requests decode: the stream's copies at most this
+    stream_duty: Optional[float] = None  # ... and the prefill at work at most this share of the time (null: always)
     attention_chunk_tokens: int = 2048  # a prompt's attention in query chunks of this many (0: one call per layer)
     beside_cores: int = 2  # while a prompt streams beside decode, decode's CPU experts leave this many cores to it
     stream_queue_mb: int = 16  # beside decode, while requests decode: the stream's copies queued at a time (0: any)
@@ -178,6 +179,9 @@ class PrefillPolicy:
         if self.stream_cap_gbps is not None and not self.stream_cap_gbps > 0:
             raise ValueError(f"policy.prefill.stream_cap_gbps must be > 0 GB/s or null (no cap), "
                              f"got {self.stream_cap_gbps}")
+        if self.stream_duty is not None and not 0 < self.stream_duty <= 1:
+            raise ValueError(f"policy.prefill.stream_duty is the prefill's share of the time while requests decode, "
+                             f"in (0, 1] or null (always at work), got {self.stream_duty}")
 
 
 CPU_JOINS = ("signal", "host")  # policy.decode.cpu_join's values (null: auto)
@@ -292,6 +296,7 @@ class BenchConfig:
     scenarios: List[str] = field(default_factory=lambda: ["1D", "2D", "4D", "1P", "1P+1D", "1P+2D"])
     long_prompt_tokens: int = 32768  # P's prompt
     stream_caps: List[float] = field(default_factory=list)  # 1P+1D again at each policy.prefill.stream_cap_gbps (0: none)
+    stream_duties: List[float] = field(default_factory=list)  # ... at each policy.prefill.stream_duty (1: always)
     dual_batch: bool = False  # concurrency: the nD scenarios (n >= 2) again without and with policy.decode.dual_batch
     dual_rounds: int = 1  # ... both ways in turn this many times (medians reported)
     cpu_joins: List[Optional[str]] = field(default_factory=list)  # ... at each policy.decode.cpu_join (none: policy's)
@@ -320,6 +325,9 @@ class BenchConfig:
             raise ValueError(f"bench.graph_modes takes hostfn and/or segments, got {list(self.graph_modes)}")
         if min(self.stream_caps, default=0) < 0:
             raise ValueError(f"bench.stream_caps are GB/s >= 0 (0: no cap), got {list(self.stream_caps)}")
+        if any(not 0 < d <= 1 for d in self.stream_duties):
+            raise ValueError(f"bench.stream_duties are shares of the time in (0, 1] (1: always at work), "
+                             f"got {list(self.stream_duties)}")
         for knob in ("beside_cores", "attention_chunks", "stream_queues", "beside_sms"):
             if min(getattr(self, knob), default=0) < 0:
                 raise ValueError(f"bench.{knob} must be >= 0, got {list(getattr(self, knob))}")

@@ -98,7 +98,8 @@ class Engine:
         self._aborts: set[int] = set()
         self._requests: dict[int, Request] = {}
         self._samplers: dict[int, Sampler] = {}
-        self._throttle = Throttle()  # limits a stream-loading prefill beside decode (plan.stream_cap_bytes_s, ...)
+        self._throttle = Throttle()  # limits a stream-loading prefill beside decode (plan.stream_cap_bytes_s,
+        # stream_queue_bytes, stream_duty)
         self._beside: Optional[_Beside] = None  # the stream-loading prefill running beside decode, if any
         self._ahead: Optional[_Ahead] = None  # staggered dual-batch decode: the micro-batch step launched ahead
         self._given: set[int] = set()  # requests whose token this step came from the step launched ahead
@@ -195,9 +196,10 @@ class Engine:
             self._drain_ahead(changed)  # a prefill calls the layers' native ops
         # a stream-loading prefill beside decode is paced while requests decode, at full speed when none does
         if plan.decode:
-            self._throttle.set_limits(self.plan.stream_cap_bytes_s, self.plan.stream_queue_bytes)
+            self._throttle.set_limits(self.plan.stream_cap_bytes_s, self.plan.stream_queue_bytes,
+                                      self.plan.stream_duty)
         else:
-            self._throttle.set_limits(None, None)
+            self._throttle.set_limits(None, None, None)
         self._size_pool(changed)
         for chunk in plan.prefill:
             if chunk.beside and self._beside_applies(chunk):

@@ -41,6 +41,7 @@ class Plan:
     prefill_beside_cores: int = 0  # meanwhile decode's CPU experts run on this many fewer threads
     stream_cap_bytes_s: Optional[float] = None  # that stream's copy rate while requests decode (None: no cap)
     stream_queue_bytes: Optional[int] = None  # ... and its copies queued on the GPU at a time (None: no bound)
+    stream_duty: Optional[float] = None  # ... and the prefill at work this share of the time (None: always)
     prefill_sms: Optional[int] = None  # beside decode, the prefill's kernels on this many SMs (None: every SM)
     mapped_outputs: bool = False  # the CPU experts' outputs read in place from pinned memory by the GPU
     cpu_join: str = "host"  # hostfn graphs: the GPU waits for the CPU experts on a signal word | a host node
@@ -88,6 +89,8 @@ class Plan:
                 cap = "uncapped" if p.stream_cap_bytes_s is None else f"{p.stream_cap_bytes_s / 1e9:g} GB/s"
                 if p.stream_queue_bytes:
                     cap += f", at most {p.stream_queue_bytes >> 20} MB of copies queued"
+                if p.stream_duty:
+                    cap += f", at work {p.stream_duty:.0%} of the time"
                 cores = (f", decode's experts on {decode_threads(p, True)} threads meanwhile"
                          if p.prefill_beside_cores else "")
                 if p.prefill_sms:

@@ -85,6 +85,7 @@ class Pipeline:
         self.expert_loop_s = self.expert_loop_cpu_s = 0.0
         self.throttled_s = 0.0  # the loader held back by the throttle's rate (prefill beside decode)
         self.queue_wait_s = 0.0  # ... and waiting for room in the copy queue (its queue bound)
+        self.rested_s = 0.0  # the model thread resting under the throttle's duty cycle (beside decode)
         self._queued: "collections.deque" = collections.deque()  # the loader's copies in flight: (bytes, PairedEvent)
         self._queued_bytes = 0
         self._group_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
@@ -153,6 +154,11 @@ class Pipeline:
     def _pace(self, nbytes: int) -> None:
         if self.throttle is not None:
             self.throttled_s += self.throttle.wait(nbytes, self.stop)
+
+    def breathe(self) -> None:
+        """The model thread between groups of experts: rests when the throttle's duty cycle says so."""
+        if self.throttle is not None:
+            self.rested_s += self.throttle.breathe(self.cancel)
 
     def _bound(self) -> Optional[int]:
         return None if self.throttle is None else self.throttle.queued_bytes
@@ -300,6 +306,8 @@ class Pipeline:
         return F.silu(gate) * up
 
     def __enter__(self) -> "Pipeline":
+        if self.throttle is not None:
+            self.throttle.begin()
         for t in self.threads:
             t.start()
         return self
@@ -320,7 +328,7 @@ class Pipeline:
         """What the prefill's expert loops measured: wall and model-thread CPU seconds, experts per step."""
         return {"expert_loop_s": self.expert_loop_s, "expert_loop_cpu_s": self.expert_loop_cpu_s,
                 "group_sizes": list(self.group_sizes),
-                "throttled_s": self.throttled_s, "queue_wait_s": self.queue_wait_s}
+                "throttled_s": self.throttled_s, "queue_wait_s": self.queue_wait_s, "rested_s": self.rested_s}
 
 
 class StreamLoader:
@@ -441,6 +449,7 @@ class StreamedExperts(nn.Module):
         e = start = 0
         wall0, cpu0 = time.perf_counter(), time.thread_time()
         while e < len(counts):
+            p.breathe()
             slots = p.take_group(self.layer, e, len(counts))
             ns = counts[e:e + len(slots)]
             live = [n > 0 for n in ns]

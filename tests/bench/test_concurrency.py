@@ -95,7 +95,7 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on t
             "output=json", "bench.long_prompt_tokens=160", "bench.prompt_tokens=8",
             "bench.new_tokens=6", "bench.roof_gb=0.05", "policy.prefill.chunk_tokens=16", "policy.kv.max_context=256",
             "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "bench.scenarios=[1D,2D,1P,1P+1D,1P+2D]",
-            "bench.stream_caps=[10]", "bench.beside_cores=[1]", "bench.attention_chunks=[0]", "bench.stream_queues=[0]",
+            "bench.stream_duties=[0.5]", "bench.stream_caps=[10]", "bench.beside_cores=[1]", "bench.attention_chunks=[0]", "bench.stream_queues=[0]",
             "bench.mapped_outputs=[false]", "bench.beside_sms=[16]", "bench.dual_batch=true", "bench.dual_rounds=2"]
     p = subprocess.run([sys.executable, "-m", "hybrid", *args], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr
@@ -103,7 +103,7 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on t
     dual = {r["dual_batch"]: r for r in out["records"] if "dual_batch" in r}  # the 2D pair: without and with
     recs = {(r["name"], r.get("scenario")): r for r in out["records"] if "dual_batch" not in r}  # extras flattened
     # no stream-loading without a GPU: the sweeps are skipped, said once
-    assert ("bench.stream_caps, bench.beside_cores, bench.attention_chunks, bench.stream_queues, "
+    assert ("bench.stream_duties, bench.stream_caps, bench.beside_cores, bench.attention_chunks, bench.stream_queues, "
             "bench.mapped_outputs, bench.beside_sms skipped" in p.stderr)
     for sc, n in (("1D", 1), ("2D", 2), ("1P+1D", 1), ("1P+2D", 2)):
         tpot, tok = recs[("tpot_s", sc)], recs[("decode_tok_s", sc)]
@@ -117,6 +117,8 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on t
         assert during["worst_step_s"] >= during["value"]
         solo = recs[("tpot_s", f"{sc[-2]}D")]["value"]  # the same decodes alone (1D / 2D)
         assert ratio["vs_solo"] == pytest.approx(during["value"] / solo)
+        mean = recs[("tpot_mean_ratio", sc)]  # the mean steps' ratio, beside the medians'
+        assert mean["value"] > 0 and "vs_solo" in mean
     assert "vs_1D" in recs[("tpot_s", "2D")]
     # 2D again with dual-batch decode (the CPU runs the micro-batches in turn): both ways, against their bounds
     assert set(dual) == {False, True} and {r["scenario"] for r in dual.values()} == {"2D"}
@@ -152,6 +154,8 @@ def test_too_many_requests_for_the_batch_cap_fail_clearly(tmp_path, tiny_dir):
 @pytest.mark.parametrize("point, label, settings", [
     ({"stream_cap_gbps": 0}, "1P+1D cap none", {"stream_cap_gbps": None}),
     ({"stream_cap_gbps": 20.0}, "1P+1D cap 20.0", {"stream_cap_gbps": 20.0}),
+    ({"stream_duty": 1.0}, "1P+1D duty none", {"stream_duty": None}),
+    ({"stream_duty": 0.5}, "1P+1D duty 0.5", {"stream_duty": 0.5}),
     ({"beside_cores": 2}, "1P+1D cores 2", {"beside_cores": 2}),
     ({"attention_chunk_tokens": 0}, "1P+1D chunks 0", {"attention_chunk_tokens": 0}),
     ({"stream_cap_gbps": 10.0, "beside_cores": 1}, "1P+1D cap 10.0 cores 1",

@@ -225,6 +225,9 @@ def test_wrong_type(override, expect):
     (["policy.prefill.beside_cores=-1"], "policy.prefill.beside_cores"),
     (["policy.prefill.stream_queue_mb=-1"], "policy.prefill.stream_queue_mb"),  # 0: no bound
     (["policy.prefill.beside_sms=-1"], "policy.prefill.beside_sms"),  # 0: every SM
+    (["policy.prefill.stream_duty=0"], "policy.prefill.stream_duty"),  # a share of the time in (0, 1]
+    (["policy.prefill.stream_duty=1.5"], "policy.prefill.stream_duty"),
+    (["mode=bench", "bench=concurrency", "bench.stream_duties=[0.5,0]"], "bench.stream_duties"),
     (["policy.decode.batch_cap=99"], "policy.decode.batch_cap"),  # > kv.max_batch (8)
     (["policy.kv.max_batch=4"], "policy.kv.max_batch"),  # < decode.batch_cap (6)
     (["policy.kv.max_batch=0"], "policy.kv.max_batch"),

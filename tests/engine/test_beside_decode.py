@@ -301,9 +301,74 @@ def test_throttle_paces_announced_copies():
     assert time.monotonic() - t0 < 1  # ...but the stop ends it
 
 
+def test_throttle_duty_cycle_rests_its_share_of_the_time():
+    """Under a duty d the prefill rests (1 - d) / d times each spell of work once a spell reaches d of the period
+    (an overrun paid in full), and no copy starts during a rest."""
+    now = [0.0]
+    t = Throttle(duty=0.25, clock=lambda: now[0], period_s=0.04)
+    t.begin()
+    now[0] = 0.005
+    assert t.rest_for() == 0.0  # 5 ms of the 10 it may work
+    now[0] = 0.030  # 30 ms worked: three times its share, rests three times as long
+    assert t.rest_for() == pytest.approx(0.090)
+    assert t.delay(10) == pytest.approx(0.090)  # the loader waits out the rest too
+    now[0] = 0.120  # rested; the next spell starts at the next call
+    assert t.delay(10) == 0.0 and t.rest_for() == 0.0
+    now[0] = 0.131
+    assert t.rest_for() == pytest.approx(0.011 * 3)
+    t.set_limits(None, None, None)  # nothing decodes: no rest left, none taken
+    assert t.delay(10) == 0.0 and t.rest_for() == 0.0 and t.duty is None
+    t.set_limits(None, None, 1.0)  # always at work is none
+    assert t.duty is None
+    for bad in (0, -0.5, 1.5):
+        with pytest.raises(ValueError, match=r"\(0, 1\]"):
+            t.set_limits(None, None, bad)
+
+
+def test_a_rest_ends_when_the_duty_cycle_is_lifted():
+    t = Throttle(duty=0.1, period_s=0.01)
+    t.begin()
+    time.sleep(0.05)  # 50 ms of work: a 450 ms rest
+    lifted = threading.Timer(0.05, t.set_limits, (None, None, None))
+    lifted.start()
+    t0 = time.monotonic()
+    assert t.breathe() == pytest.approx(0.45, abs=0.05)
+    assert time.monotonic() - t0 < 0.3, "the rest went on after the duty cycle was lifted"
+    lifted.join()
+
+
+def test_a_prefill_at_a_share_of_the_time_beside_decode_keeps_tokens_and_rests_only_while_requests_decode(
+        hybrid, slow_stream):
+    """policy.prefill.stream_duty: while requests decode the streamed prompt works a quarter of the time (its TTFT
+    about 4x), at full speed when none does; every request's tokens equal its solo tokens."""
+    short, long_ = (_prompt(10, 1), _greedy(400)), (_prompt(40, 2), _greedy(3))
+
+    def ttft(with_decode: bool):
+        engine = _engine(hybrid, stream_duty=0.25, context=600)
+        got = {}
+        if with_decode:
+            got[engine.add_request(*short)] = []
+            engine.step()
+        rid, t0 = engine.add_request(*long_), time.perf_counter()
+        got[rid], first = [], None
+        while engine.has_work():
+            for o in engine.step():
+                got[o.id] += o.new_token_ids
+                if o.id == rid and o.new_token_ids and first is None:
+                    first = time.perf_counter() - t0
+        return first, got
+
+    (paced, got), (free, alone) = ttft(True), ttft(False)
+    assert paced > 2 * free, f"decoding, the prefill at a quarter of the time took {paced:.2f} s vs {free:.2f} s"
+    for rid, (prompt, params) in zip(sorted(got), (short, long_)):
+        assert got[rid] == _engine(hybrid, context=600).generate([prompt], params)[0].output_ids
+    assert list(alone.values())[0] == got[max(got)]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("cap, sms", [(None, 0), (2.0, 0), (None, 16), (None, None)])
-def test_gpu_prefill_beside_graphed_decode_keeps_solo_tokens(cap, sms):
+@pytest.mark.parametrize("cap, sms, duty", [(None, 0, None), (2.0, 0, None), (None, 16, None), (None, None, None),
+                                           (None, None, 0.3)])
+def test_gpu_prefill_beside_graphed_decode_keeps_solo_tokens(cap, sms, duty):
     """On a GPU, under CUDA graphs: a long prompt streamed on its own thread and stream while two requests decode
     (one of them arriving during the stream), its attention in query chunks; every request's greedy tokens equal
     its tokens alone. (On the H200, 2026-12-01, run D, request 0 left its solo tokens at its 34th token with the
@@ -319,6 +384,8 @@ def test_gpu_prefill_beside_graphed_decode_keeps_solo_tokens(cap, sms):
         overrides.append(f"policy.prefill.stream_cap_gbps={cap}")
     if sms is not None:  # 16: the prefill's kernels in a green context, 16 SMs left to decode; None: auto
         overrides.append(f"policy.prefill.beside_sms={sms}")
+    if duty is not None:  # the prefill resting between its groups of experts while requests decode
+        overrides.append(f"policy.prefill.stream_duty={duty}")
     s = to_settings(compose(overrides))
     engine = build(s, s.hw, progress=False)
     from hybrid.engine.streams import green_contexts

@@ -422,7 +422,7 @@ def test_a_chunked_slp_prefill_keeps_no_pipeline_alive(tiny_dir):
     stats = _engine(hybrid, long_prefill, cutoff=16, chunk=16).prefill(list(range(2, 45)))[1]
     gc.collect()
     assert [sorted(x) for x in stats] == [["expert_loop_cpu_s", "expert_loop_s", "group_sizes", "queue_wait_s",
-                                        "throttled_s"]] * 3
+                                        "rested_s", "throttled_s"]] * 3
     assert all(ref() is None for ref in pipes), "no pipeline outlives its chunk"
 
 
