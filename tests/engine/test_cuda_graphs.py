@@ -11,7 +11,8 @@ from hybrid import _native
 from hybrid.config.compose import compose, to_settings
 from hybrid.engine.requests import SamplingParams
 from hybrid.engine.build import build
-from hybrid.engine.cuda_graphs import MIN_BUCKET, CapturedExperts, GraphedDecode, _Graph, kv_bucket, stream_waits
+from hybrid.engine.cuda_graphs import (AHEAD_TOKENS, MIN_BUCKET, CapturedExperts, GraphedDecode, _Graph,
+                                       buckets_ahead, kv_bucket, stream_waits)
 from hybrid.engine.placement import CpuExperts, cpu_experts, experts_to_cpu_kernels, swap_experts
 from hybrid.engine.staging import Staging
 from hybrid.model.moe import MoE
@@ -20,6 +21,16 @@ from hybrid.weights.loader import load_model
 
 _call = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 SUBMIT, WAIT = _call(_native.host_submit_fn), _call(_native.host_wait_fn)
+
+
+def test_buckets_ahead_cover_the_next_tokens_up_to_the_cache():
+    assert buckets_ahead(256, 4096, 512) == [512, 768]
+    assert buckets_ahead(256, 600, 1024) == [512, 600]  # capped at the cache's length
+    assert buckets_ahead(600, 600) == []
+    for bucket in (256, 1280, 8192, 20480):  # every KV length of the next AHEAD_TOKENS has its bucket among them
+        ahead = set(buckets_ahead(bucket, 1 << 15))
+        assert all(kv_bucket(n, 1 << 15) in ahead for n in range(bucket + 1, bucket + AHEAD_TOKENS + 1))
+        assert len(ahead) <= 4
 
 
 def test_kv_bucket_reads_little_more_than_needed():
@@ -194,7 +205,9 @@ def test_graphed_decode_matches_eager(mode, invariant):
             last_kv = max(len(p) + len(o) for p, o in zip(prompts, out)) - 1  # the last token fed back
             dec = engine.parts["graphs"]  # hostfn: the two sequences decode as two micro-batches on lanes 1-2
             buckets = {k[1] for lane in (dec.main, *dec.lanes) for k in lane.graphs}
-            assert min(buckets) == MIN_BUCKET and max(buckets) == kv_bucket(last_kv, s.policy.kv.max_context)
+            ctx = s.policy.kv.max_context  # and the buckets ahead of the last step's, captured with it
+            last = kv_bucket(last_kv, ctx)
+            assert min(buckets) == MIN_BUCKET and max(buckets) == max([last, *buckets_ahead(last, ctx)])
     assert outputs[0] == outputs[1]
 
 
