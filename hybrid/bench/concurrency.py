@@ -10,7 +10,8 @@ stream_duty, stream_cap_gbps):
 
 Records per scenario: each decode's TPOT (median step) before the prompt arrived, while it was prefilled (median
 and the worst step: a held prefill is one long step) and their ratio, by median and by mean step (tpot_ratio,
-tpot_mean_ratio: under a duty cycle only the mean counts the steps beside the working prefill as often as they come); the prompt's TTFT against the solo TTFT;
+tpot_mean_ratio: under a duty cycle only the mean counts the steps beside the working prefill as often as they
+come); the prompt's TTFT against the solo TTFT;
 decode tokens/s against the bound measured in the same run — the routed-expert bytes a step of n reads ÷ the read
 roof, and while a prompt streams through the GPU, ÷ the roof less the stream's copy rate (min(cap, pinned H2D
 rate)): the stream reads the same DRAM. `bench.stream_duties` repeats 1P+1D with the prompt beside decode at each
@@ -474,8 +475,8 @@ def _say(sc: Scenario, r: dict) -> None:
         parts.append(f"TTFT {r['ttft']:.3f} s")
     if r.get("during"):
         parts.append(f"TPOT during the prefill {statistics.median(r['during']) * 1e3:.1f} ms "
-                     f"(mean {statistics.fmean(r['during']) * 1e3:.1f} against {statistics.fmean(r['before']) * 1e3:.1f} "
-                     f"before, worst step {max(r['during']) * 1e3:.0f} ms)")
+                     f"(mean {statistics.fmean(r['during']) * 1e3:.1f} against "
+                     f"{statistics.fmean(r['before']) * 1e3:.1f} before, worst step {max(r['during']) * 1e3:.0f} ms)")
     for when in ("before", "during"):  # a step's mean by part, from its CPU-expert calls
         if f"{when}_parts" in r:
             p = r[f"{when}_parts"]
@@ -555,7 +556,7 @@ def _sweep_panels(ax, ax2, runs: list[Record], values: dict, axis) -> None:
     import matplotlib.ticker
 
     cap = knob == "stream_cap_gbps"  # 0 is none: drawn last
-    order = lambda v: (float("inf") if cap and not v else float(v))  # noqa: E731 (a duty of 1, none, is last)
+    order = lambda v: (float("inf") if cap and not v else float(v))  # noqa: E731
     xs = sorted(values[knob], key=order)
     at = {v: i for i, v in enumerate(xs)}
     for i, (other, pts) in enumerate(sorted(points.items(), key=lambda kv: str(kv[0]))):

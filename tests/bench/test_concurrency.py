@@ -95,7 +95,8 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on t
             "output=json", "bench.long_prompt_tokens=160", "bench.prompt_tokens=8",
             "bench.new_tokens=6", "bench.roof_gb=0.05", "policy.prefill.chunk_tokens=16", "policy.kv.max_context=256",
             "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "bench.scenarios=[1D,2D,1P,1P+1D,1P+2D]",
-            "bench.stream_duties=[0.5]", "bench.stream_caps=[10]", "bench.beside_cores=[1]", "bench.attention_chunks=[0]", "bench.stream_queues=[0]",
+            "bench.stream_duties=[0.5]", "bench.stream_caps=[10]", "bench.beside_cores=[1]",
+            "bench.attention_chunks=[0]", "bench.stream_queues=[0]",
             "bench.mapped_outputs=[false]", "bench.beside_sms=[16]", "bench.dual_batch=true", "bench.dual_rounds=2"]
     p = subprocess.run([sys.executable, "-m", "hybrid", *args], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr

@@ -332,7 +332,7 @@ def test_a_rest_ends_when_the_duty_cycle_is_lifted():
     lifted = threading.Timer(0.05, t.set_limits, (None, None, None))
     lifted.start()
     t0 = time.monotonic()
-    assert t.breathe() == pytest.approx(0.45, abs=0.05)
+    assert t.breathe() >= 0.449  # at least 50 ms worked (a loaded machine sleeps longer): 9x that to rest
     assert time.monotonic() - t0 < 0.3, "the rest went on after the duty cycle was lifted"
     lifted.join()
 
