@@ -9,6 +9,8 @@ refused, the caching allocator's block is used after all, with a warning.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import warnings
 import weakref
 
@@ -16,6 +18,16 @@ import numpy as np
 import torch
 
 PAGE = 4096
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
+
+
+def trim_heap() -> bool:
+    """Freed heap memory handed back to the OS now (glibc's malloc_trim). Tensors of a few MB are carved from the
+    heap, whose free pages glibc keeps; a model whose weights are copied into arenas layer by layer (pin_experts)
+    would otherwise hold its old copies' pages beside the arenas: twice the experts' bytes at the peak (a model
+    generated in memory). Returns whether anything was handed back; False where the C library has no malloc_trim."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    return bool(trim(0)) if trim is not None else False
 
 
 def _code(rc) -> int:

@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import nn
 
-from hybrid.engine.pinned import pinned_bytes
+from hybrid.engine.pinned import pinned_bytes, trim_heap
 from hybrid.kernels.fp8_linear import DEFAULT_GEMM, CpuFp8Gemm, Fp8Gemm
 from hybrid.kernels.moe import CpuMoE
 from hybrid.kernels.pointwise import FUSED, Fused
@@ -307,7 +307,9 @@ def hot_experts_to_device(model: nn.Module, n: int, device: torch.device,
 
 def pin_experts(model: nn.Module, pin: bool = True) -> int:
     """Copies each layer's routed-expert weights into one arena (pinned for fast copies to a GPU), expert after
-    expert in the stream-loading ring's slot layout, so one copy moves an expert; returns the arena bytes."""
+    expert in the stream-loading ring's slot layout, so one copy moves an expert; returns the arena bytes. Layer by
+    layer, the old copies' memory is handed back before the next arena is taken (the peak: one layer's experts above
+    the model's own bytes, where no other reference holds them)."""
     total = 0
     for layer in cpu_experts(model):
         fields, slot = layout(expert_tensors(layer.host_experts[0]))
@@ -322,5 +324,6 @@ def pin_experts(model: nn.Module, pin: bool = True) -> int:
                 setattr(getattr(expert, proj), attr, nn.Parameter(view, requires_grad=False))
         layer.arena, layer.slot_bytes = arena, slot
         layer.rebuild()
+        trim_heap()  # the layer's old copies, freed: their pages to the next layer's arena
         total += arena.numel()
     return total

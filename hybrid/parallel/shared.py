@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid.engine.pinned import page_lock
+from hybrid.engine.pinned import page_lock, trim_heap
 from hybrid.engine.placement import CpuExperts, cpu_experts
 from hybrid.prefill.ring import expert_tensors, layout
 
@@ -21,14 +21,15 @@ def share_experts(model: nn.Module) -> list[torch.Tensor]:
     """Every MoE layer's routed experts (placed on the CPU kernels) copied into one shared-memory arena per layer
     and read from there from now on; returns the arenas, layer by layer (for attach_experts elsewhere)."""
     arenas = []
-    for layer in cpu_experts(model):
+    for i, layer in enumerate(cpu_experts(model)):
         fields, slot = layout(expert_tensors(layer.host_experts[0]))
         arena = torch.empty(len(layer.host_experts) * slot, dtype=torch.uint8).share_memory_()
         for e, expert in enumerate(layer.host_experts):
             for name, t in expert_tensors(expert):
                 _view(arena, e * slot + fields[name].offset, t).copy_(t)
+        _attach(layer, arena, i)
+        trim_heap()  # the layer's old copies, freed: their pages to the next layer's arena
         arenas.append(arena)
-    attach_experts(model, arenas)
     return arenas
 
 

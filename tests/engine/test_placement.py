@@ -1,6 +1,8 @@
 """Placement and the CPU-expert hand-off, on the CPU (the GPU path's logic runs here with staging forced on)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -11,13 +13,16 @@ from hybrid.engine.memory import check_kv_cache
 from hybrid.engine.plan import Plan
 from hybrid.engine.requests import SamplingParams
 from hybrid.engine.placement import (VARIANTS, CpuExperts, DeferredCpuExperts, ExpertsWrapper, cpu_experts,
-                                     experts_to_cpu_kernels, place, swap_experts)
+                                     experts_to_cpu_kernels, pin_experts, place, swap_experts)
 from hybrid.engine.staging import Staging
 from hybrid.errors import ConfigError
 from hybrid.model.moe import MoE
 from hybrid.prefill.slp import HostExpertLayer
+from hybrid.prefill.ring import expert_tensors
 from hybrid.weights.checkpoint import Checkpoint
 from hybrid.weights.loader import load_model
+from hybrid.weights.synthetic import in_memory_checkpoint
+from tests.conftest import model_spec
 
 NATIVE_ATOL, NATIVE_RTOL = 0.03, 0.02  # BF16 activations into the experts (see tests/model/test_parity.py)
 BOUND = {1: 0.6, 2: 0.8}  # relative logit movement allowed for 1 / 2 deferred experts on the tiny model
@@ -203,3 +208,26 @@ def test_hybrid_engine_matches_cpu_only_engine():
         assert engine.device.type == ("cpu" if hw == "cpu_only" else "cuda")
         outputs.append(engine.generate([list(range(2, 40))], SamplingParams(24))[0].output_ids)
     assert outputs[0] == outputs[1]
+
+
+def _resident_bytes() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("arenas", ["pin_experts", "share_experts"])
+def test_copying_experts_into_arenas_hands_the_old_copies_back_layer_by_layer(arenas):
+    """A model generated in memory, its experts copied into one arena per layer: the old copies' pages go back to the
+    OS as each layer is done, so the peak is one layer's experts above the model, not twice the experts' bytes
+    (glibc keeps freed heap pages otherwise: the 8-layer benchmark model ran out of memory that way)."""
+    from hybrid.parallel.shared import share_experts
+    spec = dict(model_spec("tiny"), hidden_size=512, moe_intermediate_size=256, n_routed_experts=128,
+                num_hidden_layers=5, max_shard_mb=64.0)
+    model = load_model(in_memory_checkpoint(spec), progress=False)
+    experts_to_cpu_kernels(model)
+    layer_bytes = sum(t.nbytes for e in cpu_experts(model)[0].host_experts for _, t in expert_tensors(e))
+    before = _resident_bytes()
+    copied = {"pin_experts": lambda: pin_experts(model, pin=False),
+              "share_experts": lambda: sum(a.nbytes for a in share_experts(model))}[arenas]()
+    grown = _resident_bytes() - before
+    assert copied >= 4 * layer_bytes  # four MoE layers of ~50 MB copied
+    assert grown < 2 * layer_bytes, f"resident memory grew {grown / 1e6:.0f} MB for {copied / 1e6:.0f} MB of arenas"
