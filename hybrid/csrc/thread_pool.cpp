@@ -7,6 +7,7 @@
 #include <chrono>
 #include <memory>
 #include <stdexcept>
+#include <string>
 
 namespace hybrid {
 namespace {
@@ -45,6 +46,7 @@ bool spin_until(Pred pred) {
 ThreadPool::ThreadPool(int threads) {
   if (threads < 1) throw std::invalid_argument("thread pool needs at least one thread");
   const std::vector<int> cpus = allowed_cpus();
+  active_.store(threads - 1, std::memory_order_release);
   for (int i = 1; i < threads; ++i) {  // worker i on the i-th allowed CPU; the caller keeps the first
     workers_.emplace_back([this, i] { loop(i - 1); });
     if (!cpus.empty()) pin(workers_.back(), cpus[i % cpus.size()]);
@@ -70,7 +72,7 @@ uint64_t ThreadPool::post(std::function<void(int)> fn, int first_index) {
     std::lock_guard<std::mutex> lock(mu_);
     slot.fn = std::move(fn);
     slot.first_index = first_index;
-    slot.pending.store(int(workers_.size()), std::memory_order_relaxed);
+    slot.pending.store(active(), std::memory_order_relaxed);
     slot.ticket.store(ticket, std::memory_order_release);
     generation_.store(ticket, std::memory_order_release);
   }
@@ -79,7 +81,7 @@ uint64_t ThreadPool::post(std::function<void(int)> fn, int first_index) {
 }
 
 void ThreadPool::run(const std::function<void(int)>& fn) {
-  if (workers_.empty()) return fn(0);
+  if (active() == 0) return fn(0);
   wait();  // the caller's part must not start before the jobs posted earlier are done
   const uint64_t ticket = post(fn, 1);
   fn(0);
@@ -87,7 +89,7 @@ void ThreadPool::run(const std::function<void(int)>& fn) {
 }
 
 uint64_t ThreadPool::submit(std::function<void(int)> fn) {
-  if (workers_.empty()) {
+  if (active() == 0) {
     fn(0);
     return 0;  // done already: wait(0) returns at once
   }
@@ -110,12 +112,55 @@ void ThreadPool::wait(uint64_t ticket) {
   done_.wait(lock, [&] { return done(ticket); });
 }
 
+void ThreadPool::set_active(int threads) {
+  if (threads < 1 || threads > capacity())
+    throw std::invalid_argument("a pool of " + std::to_string(capacity()) + " threads cannot run " +
+                                std::to_string(threads));
+  std::lock_guard<std::mutex> posting(post_mu_);  // no job posted meanwhile
+  wait();  // every job in flight done: each worker taking part has run every ticket so far
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    active_.store(threads - 1, std::memory_order_release);
+    resume_ = generation_.load(std::memory_order_acquire) + 1;
+    epoch_.fetch_add(1, std::memory_order_acq_rel);
+  }
+  wake_.notify_all();
+}
+
 void ThreadPool::loop(int index) {
-  for (uint64_t next = 1;; ++next) {  // the ticket this worker runs next
-    const auto posted = [&] { return generation_.load(std::memory_order_acquire) >= next || stop_.load(); };
-    if (!spin_until(posted)) {
+  uint64_t epoch = 0, next = 1;  // the ticket this worker runs next
+  bool parked = false;
+  // A worker's part in the current epoch, read under mu_ (set_active writes it there before any job of the new
+  // epoch is posted, so a worker that sees such a job's ticket sees the epoch move too).
+  const auto resync = [&] {
+    epoch = epoch_.load(std::memory_order_acquire);
+    next = resume_;
+    parked = index >= active();
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // a worker may start after the pool was narrowed
+    resync();
+  }
+  for (;;) {
+    if (parked) {  // asleep until the pool is widened to it, or stopped
       std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, posted);
+      wake_.wait(lock, [&] { return epoch_.load(std::memory_order_acquire) != epoch || stop_.load(); });
+      if (epoch_.load(std::memory_order_acquire) == epoch) return;  // stopped while parked
+      resync();
+      continue;
+    }
+    const auto ready = [&] {
+      return generation_.load(std::memory_order_acquire) >= next ||
+             epoch_.load(std::memory_order_acquire) != epoch || stop_.load();
+    };
+    if (!spin_until(ready)) {
+      std::unique_lock<std::mutex> lock(mu_);
+      wake_.wait(lock, ready);
+    }
+    if (epoch_.load(std::memory_order_acquire) != epoch) {
+      std::lock_guard<std::mutex> lock(mu_);
+      resync();
+      continue;
     }
     if (generation_.load(std::memory_order_acquire) < next) return;  // stopped with nothing left to run
     Slot& slot = slots_[next % kQueued];
@@ -124,6 +169,7 @@ void ThreadPool::loop(int index) {
       std::lock_guard<std::mutex> lock(mu_);
       done_.notify_all();
     }
+    ++next;
   }
 }
 
@@ -147,6 +193,7 @@ void set_num_threads(int threads) {
   if (threads < 0) throw std::invalid_argument("threads must be >= 0 (0 = every CPU available)");
   const int n = threads == 0 ? default_threads() : threads;
   if (global() && global()->size() == n) return;
+  if (global() && n <= global()->capacity()) return global()->set_active(n);
   global().reset();
   global() = std::make_unique<ThreadPool>(n);
 }

@@ -9,6 +9,9 @@
 // waits for the oldest. run() first waits for every job before it (its caller works on the job too), submit()
 // does not. submit() and run() may be called from several threads (two decode lanes' host functions).
 // submit() returns the job's ticket; wait(ticket) joins that job only, wait() every job posted so far.
+// set_active(n) narrows or widens the pool between jobs without making or ending threads: the workers beyond the
+// first n - 1 park (asleep on a condition, no spinning on their cores) until it is widened again, so a process can
+// hand cores to other work for a while (a prefill beside decode) and take them back for the cost of a wake-up.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -27,8 +30,10 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  int size() const { return int(workers_.size()) + 1; }
-  int async_size() const { return workers_.empty() ? 1 : int(workers_.size()); }
+  int size() const { return active() + 1; }
+  int async_size() const { return active() == 0 ? 1 : active(); }
+  int capacity() const { return int(workers_.size()) + 1; }
+  void set_active(int threads);  // 1 <= threads <= capacity(); waits for the jobs in flight first
   void run(const std::function<void(int)>& fn);
   uint64_t submit(std::function<void(int)> fn);
   void wait();
@@ -45,16 +50,21 @@ class ThreadPool {
   uint64_t post(std::function<void(int)> fn, int first_index);
   bool done(uint64_t ticket) const;
   void loop(int index);
+  int active() const { return active_.load(std::memory_order_acquire); }
 
   std::vector<std::thread> workers_;
   Slot slots_[kQueued];
   std::atomic<uint64_t> generation_{0};  // the latest job's ticket (tickets count from 1)
   std::atomic<bool> stop_{false};
+  std::atomic<int> active_{0};        // workers taking part in the jobs (the first ones); the others park
+  std::atomic<uint64_t> epoch_{0};    // counts set_active calls: a worker that sees it move re-reads its part
+  uint64_t resume_ = 1;               // the first ticket of the current epoch (guarded by mu_)
   std::mutex mu_, post_mu_;
   std::condition_variable wake_, done_;
 };
 
-// The process-wide pool the kernels use; resized by set_num_threads (0 = every CPU this process may use).
+// The process-wide pool the kernels use; sized by set_num_threads (0 = every CPU this process may use): narrowed
+// and widened in place up to the most threads it has had, made anew only to grow past that.
 ThreadPool& pool();
 void set_num_threads(int threads);
 int num_threads();
