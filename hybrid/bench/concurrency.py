@@ -17,10 +17,10 @@ roof, and while a prompt streams through the GPU, ÷ the roof less the stream's 
 rate)): the stream reads the same DRAM. `bench.stream_duties` repeats 1P+1D with the prompt beside decode at each
 duty cycle (the trade-off curve: duty → TPOT ratio, TTFT; plotted beside the JSON), `bench.stream_caps` at each
 cap; `bench.beside_cores` and
-`bench.attention_chunks`, `bench.stream_queues`, `bench.mapped_outputs`, `bench.beside_sms` likewise at each
-policy.prefill.beside_cores, attention_chunk_tokens, stream_queue_mb, policy.decode.mapped_outputs and
-policy.prefill.beside_sms; given together, at every combination (one rebuild each, a curve per
-setting of the others in the plot).
+`bench.attention_chunks`, `bench.stream_queues`, `bench.mapped_outputs`, `bench.beside_sms`, `bench.cores_back`
+likewise at each policy.prefill.beside_cores, attention_chunk_tokens, stream_queue_mb, policy.decode.mapped_outputs,
+policy.prefill.beside_sms and cores_back_in_rests; given together, at every combination (one rebuild each, a curve
+per setting of the others in the plot).
 `bench.dual_batch` repeats the nD scenarios (n >= 2) with policy.decode.dual_batch flipped, side by side in one
 run: with the overlap, a step is bounded by max(the CPU's expert bytes ÷ the roof, the GPU's time per step), the
 GPU's time taken from the run without overlap as its step time less the CPU experts' time (the graphs' native jobs
@@ -294,7 +294,8 @@ SWEEPS = (("duty", "stream_duty", "stream_duties", "prefill's share of the time 
           ("chunks", "attention_chunk_tokens", "attention_chunks", "prefill attention query chunk (tokens)"),
           ("queue", "stream_queue_mb", "stream_queues", "stream copies queued on the GPU (MB)"),
           ("mapped", "decode.mapped_outputs", "mapped_outputs", "CPU experts' outputs read in place"),
-          ("sms", "beside_sms", "beside_sms", "SMs left to decode (the prefill in a green context)"))
+          ("sms", "beside_sms", "beside_sms", "SMs left to decode (the prefill in a green context)"),
+          ("back", "cores_back_in_rests", "cores_back", "decode takes the prefill's cores in its rests"))
 
 
 def _grid(b) -> list[dict]:

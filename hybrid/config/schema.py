@@ -166,6 +166,7 @@ class PrefillPolicy:
     attention_chunk_tokens: int = 2048  # a prompt's attention in query chunks of this many (0: one call per layer)
     beside_cores: int = 2  # while a prompt streams beside decode, decode's CPU experts leave this many cores to it
     stream_queue_mb: int = 16  # beside decode, while requests decode: the stream's copies queued at a time (0: any)
+    cores_back_in_rests: bool = True  # a decode step begun in the duty cycle's rest runs on beside_cores too
     beside_sms: Optional[int] = None  # beside decode, the prefill's kernels leave this many SMs to decode's (None: auto)
 
     def __post_init__(self) -> None:
@@ -306,6 +307,7 @@ class BenchConfig:
     stream_queues: List[int] = field(default_factory=list)  # ... at each policy.prefill.stream_queue_mb
     mapped_outputs: List[bool] = field(default_factory=list)  # ... at each policy.decode.mapped_outputs
     beside_sms: List[int] = field(default_factory=list)  # ... at each policy.prefill.beside_sms
+    cores_back: List[bool] = field(default_factory=list)  # ... at each policy.prefill.cores_back_in_rests
 
     def __post_init__(self) -> None:
         if (min([*self.ms, *self.moe_tokens, *self.gemm_rows, *self.group_sweep, *self.batches], default=1) < 1

@@ -200,22 +200,25 @@ class Engine:
                                       self.plan.stream_duty)
         else:
             self._throttle.set_limits(None, None, None)
-        self._size_pool(changed)
-        for chunk in plan.prefill:
-            if chunk.beside and self._beside_applies(chunk):
-                try:
-                    self._beside = self._start_beside(chunk)
-                except Exception as e:  # no stream or thread to run it: this request fails, the others go on
-                    self._fail([chunk.request], e, changed)
-                self._size_pool(changed)
-            else:
-                self._prefill(chunk, changed)
-        live = [r for r in plan.decode if not r.finished and r.id not in self._given]
-        if self._ahead is not None:  # it goes on if its requests are one of this step's micro-batches
-            self._drain_ahead(changed, micro_batches(live) if self.plan.dual_batch else None)
-            live = [r for r in live if not r.finished and r.id not in self._given]
-        if live:
-            self._decode_step(live, changed)
+        try:
+            self._size_pool(changed)
+            for chunk in plan.prefill:
+                if chunk.beside and self._beside_applies(chunk):
+                    try:
+                        self._beside = self._start_beside(chunk)
+                    except Exception as e:  # no stream or thread to run it: this request fails, the others go on
+                        self._fail([chunk.request], e, changed)
+                    self._size_pool(changed)
+                else:
+                    self._prefill(chunk, changed)
+            live = [r for r in plan.decode if not r.finished and r.id not in self._given]
+            if self._ahead is not None:  # it goes on if its requests are one of this step's micro-batches
+                self._drain_ahead(changed, micro_batches(live) if self.plan.dual_batch else None)
+                live = [r for r in live if not r.finished and r.id not in self._given]
+            if live:
+                self._decode_step(live, changed)
+        finally:
+            self._throttle.release()  # a rest this step held (_size_pool) ends as it was to
         self._collect_beside(changed, wait=not live and not plan.prefill)
 
     def _take_inbox(self, changed: dict[int, Request]) -> None:
@@ -376,9 +379,11 @@ class Engine:
     def _size_pool(self, changed: dict[int, Request]) -> None:
         """The native kernels' threads for this step's CPU work (decode_threads). Called from the engine's thread
         between its jobs (a step launched ahead is collected first); the prefill beside decode runs none of its
-        own on the pool."""
+        own on the pool. With plan.cores_back_in_rests, a step begun while that prefill rests (its duty cycle)
+        takes its cores too, the rest held until the step is done (`_step` releases it)."""
         if self.plan.prefill_beside_cores:
-            want = decode_threads(self.plan, self._beside is not None)
+            beside = self._beside is not None and not (self.plan.cores_back_in_rests and self._throttle.hold())
+            want = decode_threads(self.plan, beside)
             if thread_pool.threads() != want:
                 self._drain_ahead(changed)
                 thread_pool.set_threads(want)

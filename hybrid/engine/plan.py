@@ -42,6 +42,7 @@ class Plan:
     stream_cap_bytes_s: Optional[float] = None  # that stream's copy rate while requests decode (None: no cap)
     stream_queue_bytes: Optional[int] = None  # ... and its copies queued on the GPU at a time (None: no bound)
     stream_duty: Optional[float] = None  # ... and the prefill at work this share of the time (None: always)
+    cores_back_in_rests: bool = False  # a decode step begun in the prefill's rest takes its cores (and holds the rest)
     prefill_sms: Optional[int] = None  # beside decode, the prefill's kernels on this many SMs (None: every SM)
     mapped_outputs: bool = False  # the CPU experts' outputs read in place from pinned memory by the GPU
     cpu_join: str = "host"  # hostfn graphs: the GPU waits for the CPU experts on a signal word | a host node
@@ -93,6 +94,8 @@ class Plan:
                     cap += f", at work {p.stream_duty:.0%} of the time"
                 cores = (f", decode's experts on {decode_threads(p, True)} threads meanwhile"
                          if p.prefill_beside_cores else "")
+                if p.prefill_beside_cores and p.stream_duty and p.cores_back_in_rests:
+                    cores += f" ({p.threads} in the prefill's rests)"
                 if p.prefill_sms:
                     cores += f", its kernels on {p.prefill_sms} SMs (a green context)"
                 beside = f"beside decode ({cap} while requests decode{cores})"

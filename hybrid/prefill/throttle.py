@@ -16,7 +16,8 @@ the same copy engine as the stream's, behind whatever the stream has queued.
 
 The duty cycle limits the whole prefill, not only its copies: after `duty * DUTY_PERIOD_S` at work the model thread
 rests `(1 - duty) / duty` times as long as it worked (so work that overran the period is paid for in full), and the
-loader starts no copy while it rests. A rate cap alone paces the copies in pieces and wakes the loader more often;
+loader starts no copy while it rests. Decode may take the prefill's cores for a step begun during a rest
+(`hold()`): the rest then lasts until `release()`, so the prefill never wakes on cores a step has taken. A rate cap alone paces the copies in pieces and wakes the loader more often;
 on the H200 test machine it did not lower decode's TPOT during the prefill (docs/perf-notes.md).
 """
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Throttle:
         self._next = 0.0  # when the next copy may start
         self._working_since: Optional[float] = None  # when the prefill's current spell of work began
         self._rest_until = 0.0  # the prefill rests until then
+        self._held = False  # and on until release() while held
         self.set_limits(rate, queued_bytes, duty)
 
     @property
@@ -80,7 +82,7 @@ class Throttle:
             if duty != self._duty:  # a new share starts a new spell; no duty ends a rest now
                 self._duty, self._working_since = duty, None
                 if duty is None:
-                    self._rest_until = 0.0
+                    self._rest_until, self._held = 0.0, False
                 self._changed.notify_all()
 
     def delay(self, nbytes: int) -> float:
@@ -100,13 +102,12 @@ class Throttle:
         """Sleeps until the copy of `nbytes` may start (at once without a rate or a rest), returning early once
         `stop` is set; returns the seconds it was to wait."""
         d = self.delay(nbytes)
-        if d > 0:
-            if self._rate is None:  # a rest alone: ends early when the duty cycle is lifted
-                self._rest(stop)
-            elif stop is not None:
+        if d > 0 and self._rate is not None:
+            if stop is not None:
                 stop.wait(d)
             else:
                 time.sleep(d)
+        self._rest(stop)  # what is left of a rest (held or not): ends early when the duty cycle is lifted
         return d
 
     def begin(self) -> None:
@@ -142,10 +143,24 @@ class Throttle:
                     self._working_since = self._clock()
         return rest
 
+    def hold(self) -> bool:
+        """Whether the prefill rests now; if so its rest lasts until `release()` (decode takes its cores for a
+        step). Idempotent; False without a duty cycle or outside a rest."""
+        with self._lock:
+            self._held = self._held or (self._duty is not None and self._clock() < self._rest_until)
+            return self._held
+
+    def release(self) -> None:
+        """The rest held by `hold()` ends as it was to (at once if its time is up)."""
+        with self._changed:
+            if self._held:
+                self._held = False
+                self._changed.notify_all()
+
     def _rest(self, stop: Optional[threading.Event]) -> None:
         with self._changed:
             while not (stop is not None and stop.is_set()):
                 left = self._rest_until - self._clock()
-                if left <= 0:
+                if left <= 0 and not self._held:
                     return
-                self._changed.wait(min(left, _REST_SLICE_S))
+                self._changed.wait(min(left, _REST_SLICE_S) if left > 0 else _REST_SLICE_S)

@@ -337,6 +337,63 @@ def test_a_rest_ends_when_the_duty_cycle_is_lifted():
     lifted.join()
 
 
+def test_a_held_rest_lasts_until_released():
+    """hold(): outside a rest (or without a duty cycle) nothing is held; in a rest the prefill and the loader wait
+    past its end until release() (decode took their cores for a step)."""
+    now = [0.0]
+    t = Throttle(duty=0.5, clock=lambda: now[0], period_s=0.02)
+    t.begin()
+    assert not t.hold(), "at work: nothing to hold"
+    now[0] = 0.010
+    assert t.rest_for() == pytest.approx(0.010)  # resting until 0.020
+    now[0] = 0.015
+    assert t.hold() and t.hold(), "in a rest: held (twice is once)"
+    now[0] = 0.050  # the rest's time is up, but it is held
+    done = []
+    waiters = [threading.Thread(target=lambda: done.append(("model", t._rest(None)))),
+               threading.Thread(target=lambda: done.append(("loader", t.wait(10))))]
+    for w in waiters:
+        w.start()
+    time.sleep(0.1)
+    assert done == [], "a held rest went on past its time"
+    t.release()
+    for w in waiters:
+        w.join(timeout=5)
+    assert sorted(d[0] for d in done) == ["loader", "model"]
+    assert not t.hold(), "past the rest: nothing to hold"
+    t.set_limits(None, None, None)
+    assert not t.hold()
+
+
+@pytest.mark.parametrize("back", [True, False])
+def test_decode_takes_the_prefills_cores_in_its_rests(hybrid, slow_stream, monkeypatch, back):
+    """policy.prefill.cores_back_in_rests: under a duty cycle, a step begun while the prefill rests runs on every
+    thread (the rest held until it is done); steps while it works leave it its cores; tokens equal solo."""
+    from hybrid.engine import engine as engine_module
+    from hybrid.kernels import thread_pool
+
+    before = thread_pool.threads()
+    seen = []  # (prompt streaming beside?, the pool's threads, the rest held?) at each decode step
+    real_step = Engine._decode_step
+
+    def step(self, live, changed):
+        seen.append((self._beside is not None, thread_pool.threads(), self._throttle._held))
+        return real_step(self, live, changed)
+
+    monkeypatch.setattr(engine_module.Engine, "_decode_step", step)
+    short, long_ = (_prompt(10, 1), _greedy(60)), (_prompt(40, 2), _greedy(4))
+    try:
+        got = _run(_engine(hybrid, threads=2, prefill_beside_cores=1, stream_duty=0.3, cores_back_in_rests=back),
+                   {0: [short], 3: [long_]})
+    finally:
+        thread_pool.set_threads(before)
+    beside = {(threads, held) for b, threads, held in seen if b}
+    want = {(1, False), (2, True)} if back else {(1, False)}
+    assert beside == want, seen
+    solo = _engine(hybrid).generate([short[0]], short[1])[0].output_ids
+    assert got[min(got)][0] == solo
+
+
 def test_a_prefill_at_a_share_of_the_time_beside_decode_keeps_tokens_and_rests_only_while_requests_decode(
         hybrid, slow_stream):
     """policy.prefill.stream_duty: while requests decode the streamed prompt works a quarter of the time (its TTFT

@@ -228,9 +228,9 @@ def test_a_gpu_profile_gets_the_gpu_space(tune_cfg):
     space = sp.resolve(gpu, bool(gpu.hw.gpus), cores=16, kernels=["avx512_bf16", "avx2", "generic"])
     assert set(space) == {"prefill.slp_cutoff_tokens", "prefill.ring_len", "prefill.chunk_tokens",
                           "prefill.slp_group_experts", "prefill.beside_decode", "prefill.stream_cap_gbps",
-                          "prefill.stream_duty",
-                          "prefill.beside_cores", "prefill.beside_sms", "decode.batch_cap", "decode.cuda_graphs", "decode.dual_batch", "gpu.experts_per_layer",
-                          "cpu.threads"}
+                          "prefill.stream_duty", "prefill.beside_cores", "prefill.cores_back_in_rests",
+                          "prefill.beside_sms", "decode.batch_cap", "decode.cuda_graphs", "decode.dual_batch",
+                          "gpu.experts_per_layer", "cpu.threads"}
     assert space["cpu.threads"]["high"] == 16 and space["decode.batch_cap"]["high"] <= gpu.policy.kv.max_batch
     assert sp.reload_knobs(gpu, True, REBUILDABLE) == set(), "a GPU trial never reloads the model"
     assert set(sp.resolve(cpu, bool(cpu.hw.gpus), 2, ["avx2"])) == {"cpu.threads", "cpu.gemm_tile_tokens",
