@@ -8,6 +8,7 @@
 #include "host_job.h"
 #include "membw.h"
 #include "moe.h"
+#include "scan.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -32,6 +33,7 @@ PYBIND11_MODULE(_native, m) {
   m.def("set_num_threads", &set_num_threads, nogil(), "resize the kernel thread pool (0 = all CPUs)");
   m.def("num_threads", &num_threads, "threads in the kernel thread pool");
   m.def("read_bandwidth", &read_bandwidth, nogil(), "measured memory read roof, GB/s");
+  m.def("count_fp8_nan", &count_fp8_nan, nogil(), "FP8 E4M3 NaN codes (0x7F, 0xFF) in a contiguous run");
   py::class_<MoELayer>(m, "MoELayer")
       .def(py::init<const std::vector<View>&, const std::vector<View>&, const std::vector<View>&,
                     const std::vector<View>&, const std::vector<View>&, const std::vector<View>&>())

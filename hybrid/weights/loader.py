@@ -23,10 +23,10 @@ def load_model(source: TensorSource, dtype: torch.dtype = torch.bfloat16, progre
     expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
     _check_names(source, expected)
     total = sum(source.tensor(n).nbytes for n in expected) if progress else None
-    state, nan_codes = {}, fp8.NanCodes()
+    state = {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress) as bar:
         for name, (shape, dtype_) in expected.items():
-            state[name] = _checked(source, name, shape, dtype_, nan_codes)
+            state[name] = _checked(source, name, shape, dtype_)
             bar.update(state[name].nbytes)
     model.load_state_dict(state, assign=True, strict=True)
     return model.eval()
@@ -58,8 +58,7 @@ def _dtype_ok(name: str, actual: torch.dtype, expected: torch.dtype) -> bool:
     return actual in FLOATS
 
 
-def _checked(source: TensorSource, name: str, shape: tuple, dtype: torch.dtype,
-             nan_codes: fp8.NanCodes) -> torch.Tensor:
+def _checked(source: TensorSource, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     t = source.tensor(name)
     where = f"{source.where(name)}: tensor {name!r}"
     if not _dtype_ok(name, t.dtype, dtype):
@@ -68,7 +67,7 @@ def _checked(source: TensorSource, name: str, shape: tuple, dtype: torch.dtype,
         kind = "scale shape mismatch" if name.endswith("weight_scale_inv") else "wrong shape"
         raise CheckpointError(f"{where}: {kind}: {list(t.shape)} where {list(shape)} is expected")
     if t.dtype == fp8.FP8:
-        bad = nan_codes(t)
+        bad = fp8.nan_code_count(t)
         if bad:
             raise CheckpointError(f"{where}: {bad} NaN codes (0x7F/0xFF) in FP8 weights")
     return t

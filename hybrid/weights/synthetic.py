@@ -30,6 +30,7 @@ from hybrid.weights.tokenizer_files import write_byte_tokenizer
 _CODES = torch.arange(256, dtype=torch.uint8)
 _VALID = _CODES[(_CODES & 0x7F) != 0x7F]
 RMS_CODE = float(_VALID.view(fp8.FP8).float().pow(2).mean().sqrt())
+GENERATOR = 2  # in the cached checkpoints' digest: a change to what is generated makes a new directory
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
@@ -37,9 +38,11 @@ def _rng(seed: int, name: str) -> np.random.Generator:
 
 
 def fp8_codes(rng: np.random.Generator, shape) -> torch.Tensor:
-    """Random valid FP8 E4M3 codes of `shape` from `rng`'s bytes (the NaN codes moved to a neighbour)."""
-    codes = np.frombuffer(rng.bytes(math.prod(shape)), dtype=np.uint8).copy()
-    codes[(codes & 0x7F) == 0x7F] ^= 1  # 0x7F / 0xFF are NaN: use the neighbouring code
+    """Random valid FP8 E4M3 codes of `shape` from `rng`'s raw 64-bit words (the NaN codes moved to a neighbour).
+    The raw words, not rng.bytes, and the fix in place: ~2x faster (a benchmark model generates ~80 GB of them)."""
+    n = math.prod(shape)
+    codes = rng.bit_generator.random_raw(-(-n // 8)).view(np.uint8)[:n]
+    codes ^= (codes & 0x7F) == 0x7F  # 0x7F / 0xFF are NaN: use the neighbouring code
     return torch.from_numpy(codes).view(fp8.FP8).reshape(shape)
 
 
@@ -127,7 +130,7 @@ def in_memory_checkpoint(spec: dict, seed: int = 0) -> InMemoryCheckpoint:
 
 
 def checkpoint_dir(root: Path, name: str, spec: dict, seed: int) -> Path:
-    digest = hashlib.sha1(json.dumps([spec, seed], sort_keys=True).encode()).hexdigest()[:10]
+    digest = hashlib.sha1(json.dumps([spec, seed, GENERATOR], sort_keys=True).encode()).hexdigest()[:10]
     return root / f"{name}-{digest}"
 
 

@@ -209,3 +209,18 @@ def test_fp8_round_trip_is_exact_on_codes():
     q, scale = fp8.quantize(w, (128, 128))
     assert bool((scale == 2.0 ** -5).all())
     assert torch.equal(fp8.dequantize(q, scale, (128, 128), torch.float32), w)
+
+
+@pytest.mark.parametrize("n", [1, 7, 4097, (1 << 22) + 13, 3 * (1 << 22) + 5])
+def test_nan_code_count_is_exact_at_every_size_and_offset(n):
+    """The native scan (threaded from 4 MiB on) counts every 0x7F / 0xFF byte, none else, from any start byte."""
+    g = torch.Generator().manual_seed(n)
+    raw = torch.randint(0, 256, (n + 3,), dtype=torch.uint8, generator=g)
+    raw[torch.randint(0, n + 3, (50,), generator=g)] = 0x7F  # more of them than chance gives
+    raw[-1] = 0xFF
+    for skip in (0, 1, 3):  # views starting off any alignment
+        codes = raw[skip:skip + n]
+        want = int(((codes & 0x7F) == 0x7F).sum())
+        assert fp8.nan_code_count(codes.view(fp8.FP8)) == want
+    assert fp8.nan_code_count(raw[:n].view(fp8.FP8).reshape(1, n)[:, ::2]) == int(
+        ((raw[:n:2] & 0x7F) == 0x7F).sum()), "a strided view is counted as its elements"
