@@ -60,6 +60,7 @@ ThreadPool::~ThreadPool() {
     stop_ = true;
   }
   wake_.notify_all();
+  park_.notify_all();
   for (auto& t : workers_) t.join();
 }
 
@@ -125,6 +126,7 @@ void ThreadPool::set_active(int threads) {
     epoch_.fetch_add(1, std::memory_order_acq_rel);
   }
   wake_.notify_all();
+  park_.notify_all();
 }
 
 void ThreadPool::loop(int index) {
@@ -144,7 +146,7 @@ void ThreadPool::loop(int index) {
   for (;;) {
     if (parked) {  // asleep until the pool is widened to it, or stopped
       std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, [&] { return epoch_.load(std::memory_order_acquire) != epoch || stop_.load(); });
+      park_.wait(lock, [&] { return epoch_.load(std::memory_order_acquire) != epoch || stop_.load(); });
       if (epoch_.load(std::memory_order_acquire) == epoch) return;  // stopped while parked
       resync();
       continue;

@@ -60,7 +60,7 @@ class ThreadPool {
   std::atomic<uint64_t> epoch_{0};    // counts set_active calls: a worker that sees it move re-reads its part
   uint64_t resume_ = 1;               // the first ticket of the current epoch (guarded by mu_)
   std::mutex mu_, post_mu_;
-  std::condition_variable wake_, done_;
+  std::condition_variable wake_, done_, park_;  // park_: the parked workers' own (no wake-up at each job)
 };
 
 // The process-wide pool the kernels use; sized by set_num_threads (0 = every CPU this process may use): narrowed
