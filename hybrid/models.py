@@ -19,14 +19,14 @@ from hybrid.weights.synthetic import ensure_checkpoint, in_memory_checkpoint
 from hybrid.weights.tokenizer_files import write_byte_tokenizer
 
 
-def open_source(cfg: ModelConfig) -> tuple[TensorSource, Path]:
-    """The tensors and the directory holding the tokenizer files."""
+def open_source(cfg: ModelConfig, progress: bool = False) -> tuple[TensorSource, Path]:
+    """The tensors and the directory holding the tokenizer files (a bar while a model is generated in memory)."""
     if cfg.path is not None:
         ck = Checkpoint(cfg.path)
         return ck, ck.path
     spec = dict(cfg.synthetic)
     if cfg.in_memory:
-        source = in_memory_checkpoint(spec, cfg.seed)
+        source = in_memory_checkpoint(spec, cfg.seed, progress)
         tok_dir = Path(tempfile.mkdtemp(prefix="hybrid-tokenizer-"))
         atexit.register(shutil.rmtree, tok_dir, True)
         a = source.args
@@ -37,6 +37,6 @@ def open_source(cfg: ModelConfig) -> tuple[TensorSource, Path]:
 
 
 def load(cfg: ModelConfig, progress: bool = True) -> tuple[Transformer, Tokenizer]:
-    source, tok_dir = open_source(cfg)
+    source, tok_dir = open_source(cfg, progress)
     model = load_model(source, getattr(torch, cfg.dtype.value), progress)
     return model, Tokenizer(tok_dir)

@@ -123,10 +123,16 @@ def write_checkpoint(dst: Path, spec: dict, seed: int = 0, progress: bool = True
     return dst
 
 
-def in_memory_checkpoint(spec: dict, seed: int = 0) -> InMemoryCheckpoint:
+def in_memory_checkpoint(spec: dict, seed: int = 0, progress: bool = False) -> InMemoryCheckpoint:
     """The same tensors as `write_checkpoint`, kept in memory (no disk)."""
     args = ModelArgs.from_hf_config(hf_config(spec), "synthetic config")
-    return InMemoryCheckpoint(args, {s.name: s.make() for s in tensor_specs(args, seed)}, "<generated in memory>")
+    specs, tensors = tensor_specs(args, seed), {}
+    with tqdm(total=sum(s.nbytes for s in specs), unit="B", unit_scale=True, desc="generating in memory",
+              disable=not progress) as bar:
+        for s in specs:
+            tensors[s.name] = s.make()
+            bar.update(s.nbytes)
+    return InMemoryCheckpoint(args, tensors, "<generated in memory>")
 
 
 def checkpoint_dir(root: Path, name: str, spec: dict, seed: int) -> Path:
