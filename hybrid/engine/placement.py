@@ -312,18 +312,27 @@ def pin_experts(model: nn.Module, pin: bool = True) -> int:
     the model's own bytes, where no other reference holds them)."""
     total = 0
     for layer in cpu_experts(model):
-        fields, slot = layout(expert_tensors(layer.host_experts[0]))
-        n = len(layer.host_experts) * slot
+        n = len(layer.host_experts) * layout(expert_tensors(layer.host_experts[0]))[1]
         arena = pinned_bytes(n) if pin else torch.empty(n, dtype=torch.uint8)  # exactly n bytes page-locked
-        for e, expert in enumerate(layer.host_experts):
-            for name, t in expert_tensors(expert):
-                start = e * slot + fields[name].offset
-                view = arena[start:start + t.nbytes].view(t.dtype).view(t.shape)
-                view.copy_(t)
-                proj, attr = name.split(".")
-                setattr(getattr(expert, proj), attr, nn.Parameter(view, requires_grad=False))
-        layer.arena, layer.slot_bytes = arena, slot
-        layer.rebuild()
-        trim_heap()  # the layer's old copies, freed: their pages to the next layer's arena
+        move_into_arena(layer, arena)
         total += arena.numel()
     return total
+
+
+def move_into_arena(layer: CpuExperts, arena: torch.Tensor, copy: bool = True) -> None:
+    """The layer's routed experts read from `arena` (uint8, one slot per expert in the ring's layout) from now on:
+    copied into it (their old copies' memory back to the OS at once, trim_heap, for the next layer's arena to take),
+    or with copy=False found there already (an arena another process filled)."""
+    fields, slot = layout(expert_tensors(layer.host_experts[0]))
+    for e, expert in enumerate(layer.host_experts):
+        for name, t in expert_tensors(expert):
+            start = e * slot + fields[name].offset
+            view = arena[start:start + t.nbytes].view(t.dtype).view(t.shape)
+            if copy:
+                view.copy_(t)
+            proj, attr = name.split(".")
+            setattr(getattr(expert, proj), attr, nn.Parameter(view, requires_grad=False))
+    layer.arena, layer.slot_bytes = arena, slot
+    layer.rebuild()
+    if copy:
+        trim_heap()

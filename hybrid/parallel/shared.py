@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid.engine.pinned import page_lock, trim_heap
-from hybrid.engine.placement import CpuExperts, cpu_experts
+from hybrid.engine.pinned import page_lock
+from hybrid.engine.placement import CpuExperts, cpu_experts, move_into_arena
 from hybrid.prefill.ring import expert_tensors, layout
 
 
@@ -21,14 +21,10 @@ def share_experts(model: nn.Module) -> list[torch.Tensor]:
     """Every MoE layer's routed experts (placed on the CPU kernels) copied into one shared-memory arena per layer
     and read from there from now on; returns the arenas, layer by layer (for attach_experts elsewhere)."""
     arenas = []
-    for i, layer in enumerate(cpu_experts(model)):
-        fields, slot = layout(expert_tensors(layer.host_experts[0]))
+    for layer in cpu_experts(model):
+        slot = layout(expert_tensors(layer.host_experts[0]))[1]
         arena = torch.empty(len(layer.host_experts) * slot, dtype=torch.uint8).share_memory_()
-        for e, expert in enumerate(layer.host_experts):
-            for name, t in expert_tensors(expert):
-                _view(arena, e * slot + fields[name].offset, t).copy_(t)
-        _attach(layer, arena, i)
-        trim_heap()  # the layer's old copies, freed: their pages to the next layer's arena
+        move_into_arena(layer, arena)
         arenas.append(arena)
     return arenas
 
@@ -44,21 +40,11 @@ def attach_experts(model: nn.Module, arenas: list[torch.Tensor]) -> None:
 
 
 def _attach(layer: CpuExperts, arena: torch.Tensor, index: int) -> None:
-    fields, slot = layout(expert_tensors(layer.host_experts[0]))
+    slot = layout(expert_tensors(layer.host_experts[0]))[1]
     if arena.dtype != torch.uint8 or arena.numel() != len(layer.host_experts) * slot:
         raise ValueError(f"MoE layer {index}: an arena of {arena.numel()} bytes for {len(layer.host_experts)} "
                          f"experts of {slot} bytes (another checkpoint?)")
-    for e, expert in enumerate(layer.host_experts):
-        for name, t in expert_tensors(expert):
-            proj, attr = name.split(".")
-            view = _view(arena, e * slot + fields[name].offset, t)
-            setattr(getattr(expert, proj), attr, nn.Parameter(view, requires_grad=False))
-    layer.arena, layer.slot_bytes = arena, slot
-    layer.rebuild()
-
-
-def _view(arena: torch.Tensor, start: int, like: torch.Tensor) -> torch.Tensor:
-    return arena[start:start + like.nbytes].view(like.dtype).view(like.shape)
+    move_into_arena(layer, arena, copy=False)
 
 
 def pin_shared(arenas: list[torch.Tensor]) -> None:

@@ -17,8 +17,9 @@ the same copy engine as the stream's, behind whatever the stream has queued.
 The duty cycle limits the whole prefill, not only its copies: after `duty * DUTY_PERIOD_S` at work the model thread
 rests `(1 - duty) / duty` times as long as it worked (so work that overran the period is paid for in full), and the
 loader starts no copy while it rests. Decode may take the prefill's cores for a step begun during a rest
-(`hold()`): the rest then lasts until `release()`, so the prefill never wakes on cores a step has taken. A rate cap alone paces the copies in pieces and wakes the loader more often;
-on the H200 test machine it did not lower decode's TPOT during the prefill (docs/perf-notes.md).
+(`hold()`): the rest then lasts until `release()`, so the prefill never wakes on cores a step has taken. A rate
+cap alone paces the copies in pieces and wakes the loader more often; on the H200 test machine it did not lower
+decode's TPOT during the prefill (docs/perf-notes.md).
 """
 from __future__ import annotations
 

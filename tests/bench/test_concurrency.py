@@ -97,8 +97,8 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on t
             "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "bench.scenarios=[1D,2D,1P,1P+1D,1P+2D]",
             "bench.stream_duties=[0.5]", "bench.stream_caps=[10]", "bench.beside_cores=[1]",
             "bench.attention_chunks=[0]", "bench.stream_queues=[0]",
-            "bench.mapped_outputs=[false]", "bench.beside_sms=[16]", "bench.cores_back=[false]", "bench.dual_batch=true",
-            "bench.dual_rounds=2"]
+            "bench.mapped_outputs=[false]", "bench.beside_sms=[16]", "bench.cores_back=[false]",
+            "bench.dual_batch=true", "bench.dual_rounds=2"]
     p = subprocess.run([sys.executable, "-m", "hybrid", *args], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
