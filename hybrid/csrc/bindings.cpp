@@ -27,6 +27,8 @@ PYBIND11_MODULE(_native, m) {
   m.def("set_amx_min_m", &set_amx_min_m, "tokens from which variant amx runs an FP8 GEMM on AMX tiles");
   m.def("set_amx_prefetch", &set_amx_prefetch, "variant amx: bytes ahead of each FP8 load prefetched into L2 "
         "(-1: the next 32-row group's same spot, 0: none)");
+  m.def("set_amx_overlap", &set_amx_overlap, "variant amx: the next weight slab converted while this one's tiles "
+        "multiply (true, the default) or after them");
   m.def("set_avx2_stream", &set_avx2_stream, "the AVX2 kernel's conversion of streaming FP8 rows: fp16 or registers");
   m.def("avx2_stream", &avx2_stream, "the AVX2 kernel's conversion of streaming FP8 rows in use");
   m.def("selected_isa", &selected_isa, "the kernel variant a name resolves to on this CPU");

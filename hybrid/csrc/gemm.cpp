@@ -103,6 +103,8 @@ void set_amx_prefetch(int64_t bytes) {
   tunables().amx_prefetch = bytes;
 }
 
+void set_amx_overlap(bool on) { tunables().amx_overlap = on; }
+
 void prepare_x(Isa isa, const GemmProblem& p, Scratch<uint16_t>& buf, const uint16_t** xprep) {
   *xprep = nullptr;
   const XLayout layout = x_layout(isa, p);

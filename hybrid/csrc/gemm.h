@@ -74,6 +74,9 @@ struct Tunables {
   // bytes then arrive while this group's tiles multiply), 0 = no prefetch (the hardware prefetchers alone),
   // n > 0 = n bytes further along the same row.
   int64_t amx_prefetch = -1;
+  // Variant amx: the next slab converted while this one's tiles multiply (true), or after them (false: convert,
+  // then multiply, one slab at a time). The same products in the same order either way.
+  bool amx_overlap = true;
   // AVX2 kernel, 1-4 tokens: FP8 rows converted to FP16 in a small buffer (true) or to fp32 in registers, which
   // turns subnormal codes into fp32 subnormals (false: ~1.2x faster where FMAs take those at full speed, ~17x
   // slower where each takes a microcode assist). Default: registers on CPUs known to take them at full speed.

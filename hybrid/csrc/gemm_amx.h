@@ -2,7 +2,8 @@
 //
 // Operands of tdpbf16ps (C[16x16 fp32] += A[16 rows x 32 bf16] · B[16 pairs x 16 columns x 2 bf16]):
 //   A = 16 weight rows x 32 K-lanes: FP8 converted to BF16 exactly with the AVX-512 kernel's conversion (same lane
-//       order, see fp8_lane), 32 rows x 512 lanes at a time into a thread buffer;
+//       order, see fp8_lane), 32 rows x 128 lanes at a time into one half of a thread buffer while the tiles
+//       multiply the other half's;
 //   B = 16 tokens x 32 K-lanes in the VNNI layout ("pairs of K interleaved": row j holds, per token, lanes 2j and
 //       2j+1), the activations packed once per call (prepare_x_amx);
 //   C = 16 weight rows x 16 tokens, one 128-wide K block at a time; each block's scale is applied once to that
@@ -43,7 +44,8 @@ void prepare_x_amx(const GemmProblem& p, uint16_t* xv);
 // Buffer rows are a slab plus one tile row (64 bytes) apart, so the 16 rows a tile load reads do not all fall in
 // one cache set (a stride of 4 KB or a multiple would).
 static inline int64_t amx_buf_ld(int64_t slab) { return slab + kAmxLanes; }
-constexpr int64_t kAmxBufElems = kAmxRows * (kAmxSlab + kAmxLanes);
+// Two halves: the slab being multiplied and the next one being converted (gemm_amx_tiling.h).
+constexpr int64_t kAmxBufElems = 2 * kAmxRows * (kAmxSlab + kAmxLanes);
 
 // Rows [n0, n1) (n0 a multiple of 16) with xv from prepare_x_amx; buf: kAmxBufElems of scratch.
 void gemm_rows_amx(const GemmProblem& p, const uint16_t* xv, int64_t n0, int64_t n1, uint16_t* buf);

@@ -20,6 +20,7 @@ std::string selected_isa(const std::string& name);
 void set_tile_min_m(int64_t m);
 void set_amx_min_m(int64_t m);
 void set_amx_prefetch(int64_t bytes);
+void set_amx_overlap(bool on);
 // The AVX2 kernel's conversion of streaming FP8 rows (1-4 tokens): "fp16" or "registers" (Tunables).
 void set_avx2_stream(const std::string& how);
 std::string avx2_stream();

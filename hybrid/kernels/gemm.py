@@ -35,6 +35,12 @@ def set_amx_prefetch(bytes_ahead: int) -> None:
     _native.set_amx_prefetch(bytes_ahead)
 
 
+def set_amx_overlap(on: bool) -> None:
+    """Variant amx: the next weight slab converted while this one's tiles multiply (True, the default), or after
+    them (False: the order before the overlap, for side-by-side timing). The results are the same bits."""
+    _native.set_amx_overlap(bool(on))
+
+
 def set_avx2_stream(how: str) -> None:
     """The AVX2 kernel's conversion of streaming FP8 rows (1-4 tokens): "registers" (fp32 in registers; subnormal
     codes become fp32 subnormals: fast where FMAs take those at full speed, AMD Zen) or "fp16" (through a small

@@ -16,7 +16,7 @@ import torch
 
 from hybrid.config.schema import CpuPolicy
 from hybrid.kernels import dispatch
-from hybrid.kernels.gemm import gemm, set_amx_min_tokens, set_amx_prefetch
+from hybrid.kernels.gemm import gemm, set_amx_min_tokens, set_amx_overlap, set_amx_prefetch
 from hybrid.kernels.moe import CpuMoE
 from tests.kernels.common import FP8, VALID_CODES, bf16, dense64, rel_errors, rng_for
 from tests.kernels.test_gemm import MAX_BOUND, P95_BOUND, run_and_check, same_on_1_and_2_threads, weights
@@ -206,6 +206,23 @@ def test_prefetch_distance_changes_no_result(amx_from):
     finally:
         set_amx_prefetch(-1)
     assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+
+
+@pytest.mark.parametrize("N,K", [(300, 1100), (65, 63), (576, 130)], ids=["300x1100", "65x63", "576x130"])
+@pytest.mark.parametrize("variant", TILED)
+def test_overlap_changes_no_result(variant, N, K, amx_from):
+    """The next slab converted during the tiles or after them: the same products in the same order, the same bits
+    (over short last row groups, 64-lane K tails and two token tiles); the default put back after."""
+    amx_from(1)
+    rng = rng_for("amx-overlap", variant, N, K)
+    w, s = weights(rng, N, K, "fp8")
+    x = bf16(rng, (33, K))
+    try:
+        set_amx_overlap(False)
+        before = gemm(x, w, s, kernel=variant)
+    finally:
+        set_amx_overlap(True)
+    assert torch.equal(gemm(x, w, s, kernel=variant), before)
 
 
 def test_amx_prefetch_checked():
