@@ -86,8 +86,8 @@ def test_slp_cutoff_defaults_to_the_profiles_crossover():
     from hybrid.config.schema import DEFAULT_SLP_CUTOFF, slp_cutoff
 
     s = _settings(["+hw=h200_xeon16"])
-    assert s.policy.prefill.slp_cutoff_tokens is None and s.hw.slp_crossover_tokens == 338
-    assert slp_cutoff(s.policy, s.hw) == 338
+    assert s.policy.prefill.slp_cutoff_tokens is None and s.hw.slp_crossover_tokens == 512
+    assert slp_cutoff(s.policy, s.hw) == 512
     s = _settings(["+hw=h200_xeon16", "policy.prefill.slp_cutoff_tokens=64"])
     assert slp_cutoff(s.policy, s.hw) == 64
     s = _settings(["+hw=epyc2x_5090x2"])

@@ -130,12 +130,12 @@ def test_adapt_isa_and_gpu_count():
 
 def test_a_measured_crossover_holds_only_on_its_machine():
     hw = load("h200_xeon16")
-    assert hw.slp_crossover_tokens == 338
+    assert hw.slp_crossover_tokens == 512
     kept, warnings = resolve(hw, ADAPT, H200_BOX)  # its own box: nothing adapted, the measurement stands
     assert kept is hw and warnings == []
     adapted, warnings = resolve(hw, ADAPT, SMALL)
-    assert adapted.slp_crossover_tokens is None and hw.slp_crossover_tokens == 338
-    assert any("crossover (338 tokens) is not this machine's" in w for w in warnings)
+    assert adapted.slp_crossover_tokens is None and hw.slp_crossover_tokens == 512
+    assert any("crossover (512 tokens) is not this machine's" in w for w in warnings)
 
 
 @pytest.mark.parametrize("name", PROFILES)
