@@ -7,7 +7,10 @@ T = 512 case of top-8 over 256 experts), or with `--routing random` that many on
 uniformly as bench=kernels draws them. Prints time, GB/s of expert bytes against the read roof measured in the
 same run, and TFLOP/s, per kernel variant. `--amx-prefetch=-1,0,512`: variant amx at each prefetch distance
 (set_amx_prefetch); `--amx-overlap=1,0`: with the next weight slab converted while the tiles multiply and without
-(set_amx_overlap); every combination is a way, the ways alternating within each repeat.
+(set_amx_overlap); `--lag-rounds=2,1`: an expert's down tasks queued that many rounds of tasks behind its gate/up
+tasks (set_moe_lag_rounds); every
+combination is a way, the ways alternating within each repeat. Per way, the threads' time waiting for another's
+task and idle at the layer's end, as shares of threads x time.
 
 `--lanes N`: decode's two-request step instead, N times per way, side by side: one call of two tokens; two one-token
 calls in turn (each joined before the next is submitted: a job's tail and the next one's start do not overlap); two
@@ -23,7 +26,7 @@ import torch
 from hybrid.kernels import membw
 from hybrid.kernels.dispatch import available
 from hybrid.kernels.gemm import set_amx_min_tokens, set_amx_overlap, set_amx_prefetch
-from hybrid.kernels.moe import CpuMoE
+from hybrid.kernels.moe import CpuMoE, set_moe_lag_rounds
 from hybrid.kernels.thread_pool import set_threads, threads
 
 
@@ -53,6 +56,8 @@ def main(argv=None) -> None:
                     "the row)")
     ap.add_argument("--amx-overlap", default="1", help="variant amx: 1 = the next slab converted while the tiles "
                     "multiply (the default), 0 = after them; comma-separated ways")
+    ap.add_argument("--lag-rounds", default="2", help="rounds of tasks (one per thread) an expert's down tasks are "
+                    "queued behind its gate/up tasks (2: the default); comma-separated ways")
     ap.add_argument("--roof-gb", type=float, default=4.0, help="buffer of the read-roof probe (GB)")
     ap.add_argument("--lanes", type=int, default=0, help="time decode's two-request step this many times per way "
                     "(one two-token call, two one-token calls in turn, two queued) instead of the layer")
@@ -89,25 +94,31 @@ def main(argv=None) -> None:
             print(f"{kernel}: not on this CPU, skipped")
             continue
         op = CpuMoE(turn(w[0]), turn(w[1]), turn(w[2]), turn(s[0]), turn(s[1]), turn(s[2]), kernel=kernel)
-        ways = [(int(pf), int(ov)) for pf in a.amx_prefetch.split(",") for ov in a.amx_overlap.split(",")] \
-            if kernel == "amx" else [None]
+        amx = [(int(pf), int(ov)) for pf in a.amx_prefetch.split(",") for ov in a.amx_overlap.split(",")] \
+            if kernel == "amx" else [(-1, 1)]
+        ways = [(pf, ov, int(lag)) for pf, ov in amx for lag in a.lag_rounds.split(",")]
         ts: dict = {way: [] for way in ways}
         for r in range(a.repeats + 1):  # the first round warms up
             for way in ways:
-                if way is not None:
-                    set_amx_prefetch(way[0])
-                    set_amx_overlap(bool(way[1]))
+                set_amx_prefetch(way[0])
+                set_amx_overlap(bool(way[1]))
+                set_moe_lag_rounds(way[2])
                 t0 = time.perf_counter()
                 op(x, ids, weights)
                 if r:
-                    ts[way].append(time.perf_counter() - t0)
+                    sec = time.perf_counter() - t0
+                    ts[way].append((sec, op.wait_s / (threads() * sec), op.tail_s / (threads() * sec)))
         set_amx_prefetch(-1)
         set_amx_overlap(True)
-        for way, t in ts.items():
-            best, med = min(t), sorted(t)[len(t) // 2]
-            name = kernel if way is None else f"{kernel} pf {way[0]} ov {way[1]}"
-            print(f"{name:12s} best {best * 1e3:7.1f} ms  median {med * 1e3:7.1f} ms  {gb / best:6.1f} GB/s "
-                  f"({gb / best / roof:4.0%} of the roof)  {flop / best / 1e12:5.2f} TFLOP/s")
+        set_moe_lag_rounds(2)
+        for way, runs in ts.items():
+            t = sorted(sec for sec, _, _ in runs)
+            best, med = t[0], t[len(t) // 2]
+            wait, tail = (sum(r[i] for r in runs) / len(runs) for i in (1, 2))
+            name = kernel if kernel != "amx" else f"{kernel} pf {way[0]} ov {way[1]}"
+            print(f"{name:12s} lag {way[2]}  best {best * 1e3:7.1f} ms  median {med * 1e3:7.1f} ms  "
+                  f"{gb / best:6.1f} GB/s ({gb / best / roof:4.0%} of the roof)  {flop / best / 1e12:5.2f} TFLOP/s  "
+                  f"waiting {wait:4.1%}  idle at the end {tail:4.1%}")
 
 
 def lanes(a, kernels: list[str], gate, up, down, gs, us, ds, roof: float) -> None:

@@ -29,6 +29,8 @@ PYBIND11_MODULE(_native, m) {
         "(-1: the next 32-row group's same spot, 0: none)");
   m.def("set_amx_overlap", &set_amx_overlap, "variant amx: the next weight slab converted while this one's tiles "
         "multiply (true, the default) or after them");
+  m.def("set_moe_lag_rounds", &set_moe_lag_rounds, "MoE layer: rounds of tasks (one per thread) an expert's down "
+        "tasks are queued behind its gate/up tasks (default 2)");
   m.def("set_avx2_stream", &set_avx2_stream, "the AVX2 kernel's conversion of streaming FP8 rows: fp16 or registers");
   m.def("avx2_stream", &avx2_stream, "the AVX2 kernel's conversion of streaming FP8 rows in use");
   m.def("selected_isa", &selected_isa, "the kernel variant a name resolves to on this CPU");
@@ -47,7 +49,9 @@ PYBIND11_MODULE(_native, m) {
           },
           nogil())
       .def("wait", &MoELayer::wait, nogil())
-      .def_property_readonly("global_syncs", &MoELayer::last_global_syncs);
+      .def_property_readonly("global_syncs", &MoELayer::last_global_syncs)
+      .def_property_readonly("wait_s", &MoELayer::last_wait_s)
+      .def_property_readonly("tail_s", &MoELayer::last_tail_s);
   py::class_<HostJob>(m, "HostJob")
       .def(py::init<MoELayer*, View, View, View, View, std::string, uintptr_t>(), py::arg("layer"), py::arg("x"),
            py::arg("ids"), py::arg("weights"), py::arg("out"), py::arg("isa"), py::arg("signal") = 0,

@@ -104,6 +104,10 @@ void set_amx_prefetch(int64_t bytes) {
 }
 
 void set_amx_overlap(bool on) { tunables().amx_overlap = on; }
+void set_moe_lag_rounds(int64_t rounds) {
+  if (rounds < 0) fail("moe_lag_rounds must be >= 0");
+  tunables().moe_lag_rounds = rounds;
+}
 
 void prepare_x(Isa isa, const GemmProblem& p, Scratch<uint16_t>& buf, const uint16_t** xprep) {
   *xprep = nullptr;

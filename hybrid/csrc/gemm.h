@@ -77,6 +77,9 @@ struct Tunables {
   // Variant amx: the next slab converted while this one's tiles multiply (true), or after them (false: convert,
   // then multiply, one slab at a time). The same products in the same order either way.
   bool amx_overlap = true;
+  // MoE layer: how many rounds of tasks (one per thread) an expert's down tasks are queued behind its gate/up
+  // tasks (moe.cpp's schedule).
+  int64_t moe_lag_rounds = 2;
   // AVX2 kernel, 1-4 tokens: FP8 rows converted to FP16 in a small buffer (true) or to fp32 in registers, which
   // turns subnormal codes into fp32 subnormals (false: ~1.2x faster where FMAs take those at full speed, ~17x
   // slower where each takes a microcode assist). Default: registers on CPUs known to take them at full speed.

@@ -2,6 +2,7 @@
 
 #include <immintrin.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -36,6 +37,9 @@ struct MoELayer::Plan {
   std::atomic<int64_t> next_task{0};
   std::atomic<int> arrived{0};
   std::atomic<int> syncs{0};  // global synchronisation points passed by the current call
+  // Where the participants' time went besides tasks, summed over them (ns): waiting for another thread's task
+  // (an expert's gate/up rows, its prepared activations), and the end (leaving the task list until the call ends).
+  std::atomic<int64_t> wait_ns{0}, out_ns{0}, tail_ns{0};
   std::function<void()> on_done;  // called by the last participant out of a submitted call
   int threads = 1;
   int64_t d_chunk = 0, n_chunks = 0, ldxp = 0, ldh = 0;
@@ -48,6 +52,20 @@ namespace {
 void fail(const std::string& msg) { throw std::invalid_argument(msg); }
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Spins until ready() holds; the time spent (if any) is added to waited.
+template <class Ready>
+void wait_until(Ready ready, std::atomic<int64_t>& waited) {
+  if (ready()) return;
+  const int64_t t0 = now_ns();
+  while (!ready()) _mm_pause();
+  waited.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+}
 
 std::string at(const char* what, size_t e) { return std::string(what) + "[" + std::to_string(e) + "]"; }
 
@@ -104,6 +122,8 @@ MoELayer::MoELayer(const std::vector<View>& gate, const std::vector<View>& gate_
 MoELayer::~MoELayer() { wait(); }
 
 int MoELayer::last_global_syncs() const { return p_->syncs.load(); }
+double MoELayer::last_wait_s() const { return p_->wait_ns.load() * 1e-9; }
+double MoELayer::last_tail_s() const { return p_->tail_ns.load() * 1e-9; }
 
 void MoELayer::plan(const View& x, const View& ids, const View& weights, const View& out) {
   check_view(x, "x", {"bfloat16"}, 2);
@@ -195,13 +215,15 @@ void MoELayer::schedule(const std::string& isa, int participants) {
   };
   p.gu_left.reset(new std::atomic<int>[n_used]);
   p.prep.reset(new std::atomic<int>[n_used]);
-  // An expert's down tasks go `lag` experts behind its gate/up tasks, at least a round of tasks (one per thread)
-  // later: by the time a thread takes them, the thread that took its gate/up has usually finished, so it does not
-  // spin on the expert's counter. (One expert behind was enough with few threads or many tasks per expert; with
-  // 16 threads and one task per stage, as for 512 tokens over 256 experts, a list-scheduling model of it spends
-  // ~1/3 of the threads' time waiting, against ~2 % at this lag.)
+  // An expert's down tasks go `lag` experts behind its gate/up tasks, tunables().moe_lag_rounds rounds of tasks
+  // (one per thread) later: by the time a thread takes them, the thread that took its gate/up has usually finished,
+  // so it does not spin on the expert's counter. A gate/up task reads two matrices, a down task one: with 16 threads
+  // and one task per stage (512 tokens over 256 experts), one round behind left the threads waiting 9.4 % of the
+  // layer (H200 test machine's Xeon, balanced routing; a list-scheduling model of it: 5.8 %), two rounds 0.3 % in
+  // that model; one expert behind, ~1/3 of the time. With many tasks per expert (decode), the lag stays 2 experts.
   const int64_t per_expert_tasks = (I_ + gu_chunk - 1) / gu_chunk + (D_ + d_chunk - 1) / d_chunk;
-  const int32_t lag = int32_t(1 + (p.threads + per_expert_tasks - 1) / per_expert_tasks);
+  const int64_t rounds = tunables().moe_lag_rounds * p.threads;
+  const int32_t lag = int32_t(1 + (rounds + per_expert_tasks - 1) / per_expert_tasks);
   for (int32_t e = 0; e < n_used; ++e) {
     p.gu_left[e] = int((I_ + gu_chunk - 1) / gu_chunk);
     p.prep[e] = 0;
@@ -219,6 +241,7 @@ void MoELayer::schedule(const std::string& isa, int participants) {
     if (n == 0) reduce(t, 0, D_);
   }
   p.next_task = 0, p.arrived = 0, p.syncs = 0;
+  p.wait_ns = 0, p.out_ns = 0, p.tail_ns = 0;
 }
 
 void MoELayer::wait() {
@@ -239,7 +262,7 @@ void MoELayer::prepare_expert(int e) {
     prepare_x_rows(p.isa, p.layout[e], q, p.xprep.data() + p.prow0[e] * p.ldxp);
     p.prep[e].store(2, std::memory_order_release);
   }
-  while (p.prep[e].load(std::memory_order_acquire) != 2) _mm_pause();
+  wait_until([&] { return p.prep[e].load(std::memory_order_acquire) == 2; }, p.wait_ns);
 }
 
 void MoELayer::gate_up(int e, int64_t r0, int64_t r1, uint16_t* tile) {
@@ -270,7 +293,7 @@ void MoELayer::gate_up(int e, int64_t r0, int64_t r1, uint16_t* tile) {
 
 void MoELayer::down(int e, int64_t r0, int64_t r1, uint16_t* tile) {
   Plan& p = *p_;
-  while (p.gu_left[e].load(std::memory_order_acquire) != 0) _mm_pause();  // this expert's own barrier
+  wait_until([&] { return p.gu_left[e].load(std::memory_order_acquire) == 0; }, p.wait_ns);  // the expert's barrier
   const Expert& w = w_[p.used[e]];
   const int64_t base = p.row0[e];
   const bool plain = p.layout[e] == XLayout::plain;
@@ -311,13 +334,19 @@ void MoELayer::run_job(int) {
   const int64_t scratch = scratch_elems(p.isa, std::max(D_, I_));
   uint16_t* tile = scratch ? thread_tile(scratch) : nullptr;
   const int64_t n_tasks = int64_t(p.tasks.size());
-  for (int64_t i; (i = p.next_task.fetch_add(1)) < n_tasks;) {
-    const Task& t = p.tasks[i];
+  auto run = [&](const Task& t) {
     if (t.stage == 0) gate_up(t.expert, t.r0, t.r1, tile);
     else down(t.expert, t.r0, t.r1, tile);
+  };
+  for (int64_t i; (i = p.next_task.fetch_add(1)) < n_tasks;) run(p.tasks[i]);
+  // A participant with no task left goes on to the pool's next job; the last one out ends the call. Each adds its
+  // leaving time; the last one turns the sum into the participants' idle time at the end.
+  const int64_t out = now_ns();
+  p.out_ns.fetch_add(out, std::memory_order_relaxed);
+  if (p.arrived.fetch_add(1, std::memory_order_acq_rel) == p.threads - 1) {
+    p.tail_ns.store(int64_t(p.threads) * out - p.out_ns.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    if (p.on_done) p.on_done();
   }
-  // A participant with no task left goes on to the pool's next job; the last one out ends the call.
-  if (p.arrived.fetch_add(1, std::memory_order_acq_rel) == p.threads - 1 && p.on_done) p.on_done();
 }
 
 }  // namespace hybrid

@@ -49,6 +49,10 @@ class MoELayer {
   int64_t intermediate() const { return I_; }
   // Global synchronisation points the last call passed (barriers every thread waited at, the job's end).
   int last_global_syncs() const;
+  // The last call's participants' seconds, summed over them, spent waiting for another thread's task and idle at
+  // the end (from leaving the task list to the last one's leaving).
+  double last_wait_s() const;
+  double last_tail_s() const;
 
  private:
   struct Expert {

@@ -86,3 +86,21 @@ class CpuMoE:
     @property
     def global_syncs(self) -> int:
         return self._op.global_syncs
+
+    @property
+    def wait_s(self) -> float:
+        """The last call's threads' seconds, summed over them, spent waiting for another thread's task (an expert's
+        gate/up rows before its down rows, its activations being prepared)."""
+        return self._op.wait_s
+
+    @property
+    def tail_s(self) -> float:
+        """The last call's threads' seconds, summed over them, between leaving the task list and the last thread's
+        leaving: the layer's end, where threads run out of tasks at different times."""
+        return self._op.tail_s
+
+
+def set_moe_lag_rounds(rounds: int) -> None:
+    """How many rounds of tasks (one per thread) an expert's down tasks are queued behind its gate/up tasks (default
+    2; 1 was the order before, for side-by-side timing). The order of tasks changes no result."""
+    _native.set_moe_lag_rounds(rounds)

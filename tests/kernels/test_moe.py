@@ -27,7 +27,7 @@ import torch
 
 from hybrid.kernels import dispatch
 from hybrid.kernels.gemm import gemm
-from hybrid.kernels.moe import CpuMoE
+from hybrid.kernels.moe import CpuMoE, set_moe_lag_rounds
 from hybrid.kernels.thread_pool import set_threads, threads
 from hybrid.weights.synthetic import RMS_CODE
 from tests.kernels.common import bf16, block_scales, dense64, fp8_codes, record, rel_errors, rng_for, seed_note
@@ -242,6 +242,35 @@ def test_submit_wait_equals_call(variant, wtype):
         assert torch.equal(got, called), f"{variant} {wtype} T={T}: submit/wait differs from the call; {seed_note()}"
         assert rel_errors(between, busy)[1] <= 1e-4, "the GEMM run between submit and wait is wrong"
         assert op.wait() is None  # nothing in flight any more
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_task_order_changes_no_result(variant):
+    """An expert's down tasks queued 0, 1 or 2 rounds of tasks behind its gate/up tasks: the same bits at every
+    thread count; the threads' seconds spent waiting and idle at the end lie within threads x the call."""
+    import time
+
+    D, I = DIMS[1]
+    op = op_for("fp8", D, I, variant)
+    before = threads()
+    try:
+        for n in (1, 2, 4):
+            set_threads(n)
+            for T in (3, 64):
+                x, ids, w = _inputs(("held", variant, n, T), T, D)
+                got = {}
+                for rounds in (2, 1, 0):
+                    set_moe_lag_rounds(rounds)
+                    t0 = time.perf_counter()
+                    got[rounds] = op(x, ids, w)
+                    wall = time.perf_counter() - t0
+                    for what, sec in (("waiting", op.wait_s), ("idle at the end", op.tail_s)):
+                        assert 0 <= sec <= n * wall, f"{what}: {sec} s for {n} threads over a {wall} s call"
+                assert torch.equal(got[2], got[1]) and torch.equal(got[2], got[0]), \
+                    f"{variant} {n} threads T={T}; {seed_note()}"
+    finally:
+        set_moe_lag_rounds(2)
+        set_threads(before)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
