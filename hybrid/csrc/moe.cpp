@@ -218,9 +218,9 @@ void MoELayer::schedule(const std::string& isa, int participants) {
   // An expert's down tasks go `lag` experts behind its gate/up tasks, tunables().moe_lag_rounds rounds of tasks
   // (one per thread) later: by the time a thread takes them, the thread that took its gate/up has usually finished,
   // so it does not spin on the expert's counter. A gate/up task reads two matrices, a down task one: with 16 threads
-  // and one task per stage (512 tokens over 256 experts), one round behind left the threads waiting 9.4 % of the
-  // layer (H200 test machine's Xeon, balanced routing; a list-scheduling model of it: 5.8 %), two rounds 0.3 % in
-  // that model; one expert behind, ~1/3 of the time. With many tasks per expert (decode), the lag stays 2 experts.
+  // and one task per stage (512 tokens over 256 experts, balanced), one round behind left the threads waiting 7.5-9.4 %
+  // of the layer, two rounds 0.6 % (H200 test machine's Xeon; 151 against 160 ms); one expert behind, ~1/3 of the
+  // time. At one token (many tasks per expert) the lag is 2 experts either way.
   const int64_t per_expert_tasks = (I_ + gu_chunk - 1) / gu_chunk + (D_ + d_chunk - 1) / d_chunk;
   const int64_t rounds = tunables().moe_lag_rounds * p.threads;
   const int32_t lag = int32_t(1 + (rounds + per_expert_tasks - 1) / per_expert_tasks);
