@@ -82,9 +82,11 @@ def main(argv=None) -> None:
     counts = torch.bincount(ids.flatten(), minlength=E)
     x, weights = torch.randn(T, D).to(torch.bfloat16), torch.rand(T, K)
     roof = max(membw.read_roof(a.roof_gb, 3, streams) for streams in (8, 16))
-    gb, flop = E * 3 * I * D / 1e9, 2 * 3 * I * D * E * tpe
+    used = int((counts > 0).sum())  # the experts a token picked: only theirs are read
+    gb, flop = used * 3 * I * D / 1e9, 2 * 3 * I * D * E * tpe
     print(f"{threads()} threads, read roof {roof:.1f} GB/s; one layer: {E} experts ({n} distinct), T = {T}, "
-          f"{tpe} tokens per expert ({a.routing}: {int(counts.min())}-{int(counts.max())}), {gb:.1f} GB of experts")
+          f"{tpe} tokens per expert ({a.routing}: {int(counts.min())}-{int(counts.max())}), {used} experts used, "
+          f"{gb:.1f} GB of experts read")
     have = set(available())
     if a.lanes:
         return lanes(a, [k for k in a.kernels.split(",") if k in have], turn(w[0]), turn(w[1]), turn(w[2]),
