@@ -340,11 +340,12 @@ void MoELayer::run_job(int) {
   };
   for (int64_t i; (i = p.next_task.fetch_add(1)) < n_tasks;) run(p.tasks[i]);
   // A participant with no task left goes on to the pool's next job; the last one out ends the call. Each adds its
-  // leaving time; the last one turns the sum into the participants' idle time at the end.
-  const int64_t out = now_ns();
-  p.out_ns.fetch_add(out, std::memory_order_relaxed);
+  // leaving time before it counts itself out; the last one turns the sum into the participants' idle time from
+  // their leaving to the call's end (its clock read after the count: no leaving time is later).
+  p.out_ns.fetch_add(now_ns(), std::memory_order_relaxed);
   if (p.arrived.fetch_add(1, std::memory_order_acq_rel) == p.threads - 1) {
-    p.tail_ns.store(int64_t(p.threads) * out - p.out_ns.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    const int64_t end = now_ns();
+    p.tail_ns.store(int64_t(p.threads) * end - p.out_ns.load(std::memory_order_relaxed), std::memory_order_relaxed);
     if (p.on_done) p.on_done();
   }
 }
