@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import time
 from typing import Callable
 
 import numpy as np
@@ -29,6 +30,7 @@ from hybrid.kernels.dispatch import selected
 from hybrid.kernels.gemm import gemm
 from hybrid.kernels.membw import calibrate, read_roof
 from hybrid.kernels.moe import CpuMoE
+from hybrid.kernels.thread_pool import threads
 from hybrid.weights.fp8 import dequantize, scale_shape
 from hybrid.weights.synthetic import fp8_codes
 
@@ -150,17 +152,28 @@ def _moe_records(cfg, roof: Roof, kernels: list[str], rng) -> list[Record]:
         w = torch.rand(t, cfg.top_k)
         routes = [torch.stack([torch.randperm(experts)[:cfg.top_k] for _ in range(t)]) for _ in range(32)]
         res = torch.empty(t, d)
-        calls = [lambda ids=ids: op(x, ids, w, res) for ids in routes]
+        spent = [0.0, 0.0, 0.0]  # over the calls: seconds, and the threads' seconds waiting and idle at the end
+
+        def call(ids, x=x, w=w, res=res, spent=spent):
+            t0 = time.perf_counter()
+            op(x, ids, w, res)
+            spent[0] += time.perf_counter() - t0
+            spent[1] += op.wait_s
+            spent[2] += op.tail_s
+        calls = [functools.partial(call, ids) for ids in routes]
         read = sum(len(ids.unique()) for ids in routes) / len(routes) * expert_bytes
         flops = 3 * bounds.gemm_flops(t * cfg.top_k, i, d)  # gate, up, down: each [t*top_k, d] x [d, i] or back
 
-        def measure(t=t, calls=calls, read=read, flops=flops, kernel="auto") -> Record:
+        def measure(t=t, calls=calls, read=read, flops=flops, spent=spent, kernel="auto") -> Record:
             op.kernel = kernel
             sec = best_per_call(calls, cfg.repeats)
+            # the threads' time waiting for another's task and idle at the layer's end, as shares of threads x time
+            waiting, end_idle = (round(v / (threads() * spent[0]), 4) for v in spent[1:])
+            spent[:] = [0.0, 0.0, 0.0]
             return Record("moe_layer", read / sec / GB, "GB/s", None, t, None, None, "fp8",
                           {"time_ms": sec * 1e3, "tflops": flops / sec / 1e12, "experts": experts,
                            "top_k": cfg.top_k, "expert_mb_read": read / 1e6, "global_syncs": op.global_syncs,
-                           "kernel": kernel})
+                           "waiting": waiting, "end_idle": end_idle, "kernel": kernel})
         for kernel in kernels:
             out.append(roof.bracket(functools.partial(measure, kernel=kernel)))
     return out

@@ -1,3 +1,5 @@
+import re
+
 from hybrid.bench import moe_quick
 
 
@@ -9,11 +11,22 @@ def test_the_quick_moe_bench_times_each_variant_against_the_roof(capsys):
     line = next(x for x in out.splitlines() if x.startswith("generic"))
     assert "GB/s" in line and "of the roof" in line and "TFLOP/s" in line
     assert "nonesuch: not on this CPU, skipped" in out
+    # where the threads' time went besides their tasks, as shares of threads x time
+    waiting, idle = map(float, re.search(r"waiting +([\d.]+)%  idle at the end +([\d.]+)%", line).groups())
+    assert 0 <= waiting <= 100 and 0 <= idle <= 100, line
+
+
+def test_the_bytes_are_those_of_the_experts_a_token_picked(capsys):
+    """4 tokens x top-16 over 64 experts, drawn with the run's seed: ~44 experts picked, and the bytes (and GB/s)
+    are theirs, not the 64's."""
+    moe_quick.main(["--experts", "64", "--distinct", "2", "--tokens-per-expert", "1", "--top-k", "16", "--threads",
+                    "1", "--kernels", "generic", "--repeats", "1", "--roof-gb", "0.1", "--routing", "random"])
+    out = capsys.readouterr().out
+    used, gb = re.search(r"(\d+) experts used, ([\d.]+) GB of experts read", out).groups()
+    assert 16 <= int(used) < 64 and float(gb) == round(int(used) * 3 * 2048 * 7168 / 1e9, 1), out
 
 
 def test_random_routing_varies_the_tokens_per_expert_around_the_mean(capsys):
-    import re
-
     args = ["--experts", "16", "--distinct", "2", "--tokens-per-expert", "4", "--top-k", "4", "--threads", "2",
             "--kernels", "generic", "--repeats", "1", "--roof-gb", "0.1"]
     moe_quick.main(args + ["--routing", "random"])
