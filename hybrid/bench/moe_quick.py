@@ -8,9 +8,8 @@ uniformly as bench=kernels draws them. Prints time, GB/s of expert bytes against
 same run, and TFLOP/s, per kernel variant. `--amx-prefetch=-1,0,512`: variant amx at each prefetch distance
 (set_amx_prefetch); `--amx-overlap=1,0`: with the next weight slab converted while the tiles multiply and without
 (set_amx_overlap); `--lag-rounds=2,1`: an expert's down tasks queued that many rounds of tasks behind its gate/up
-tasks (set_moe_lag_rounds); every
-combination is a way, the ways alternating within each repeat. Per way, the threads' time waiting for another's
-task and idle at the layer's end, as shares of threads x time.
+tasks (set_moe_lag_rounds); every combination is a way, the ways alternating within each repeat. Per way, the
+threads' time waiting for another's task and idle at the layer's end, as shares of threads x time.
 
 `--lanes N`: decode's two-request step instead, N times per way, side by side: one call of two tokens; two one-token
 calls in turn (each joined before the next is submitted: a job's tail and the next one's start do not overlap); two
