@@ -1,17 +1,11 @@
 #include "host_job.h"
 
-#include <chrono>
 #include <exception>
 #include <utility>
 
-namespace hybrid {
+#include "clock.h"
 
-namespace {
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-}  // namespace
+namespace hybrid {
 
 HostJob::HostJob(MoELayer* layer_, View x_, View ids_, View weights_, View out_, std::string isa_, uintptr_t signal_)
     : layer(layer_), x(std::move(x_)), ids(std::move(ids_)), weights(std::move(weights_)), out(std::move(out_)),

@@ -2,11 +2,11 @@
 
 #include <immintrin.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
 
+#include "clock.h"
 #include "dispatch.h"
 #include "gemm_amx.h"
 #include "gemm_op.h"
@@ -52,11 +52,6 @@ namespace {
 void fail(const std::string& msg) { throw std::invalid_argument(msg); }
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
-
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // Spins until ready() holds; the time spent (if any) is added to waited.
 template <class Ready>

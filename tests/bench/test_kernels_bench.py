@@ -11,8 +11,6 @@ from hybrid.kernels.dispatch import available
 class FixedRoof:
     """A roof read as a constant (the bench's own measures the machine: seconds here, not the point)."""
 
-    readings = [10.0]
-
     def bracket(self, measure):
         record = measure()
         record.bound = 10.0

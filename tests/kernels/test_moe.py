@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 import pytest
 import torch
@@ -248,8 +249,6 @@ def test_submit_wait_equals_call(variant, wtype):
 def test_task_order_changes_no_result(variant):
     """An expert's down tasks queued 0, 1 or 2 rounds of tasks behind its gate/up tasks: the same bits at every
     thread count; the threads' seconds spent waiting and idle at the end lie within threads x the call."""
-    import time
-
     D, I = DIMS[1]
     op = op_for("fp8", D, I, variant)
     before = threads()
