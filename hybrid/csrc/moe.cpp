@@ -275,10 +275,18 @@ void MoELayer::gate_up(int e, int64_t r0, int64_t r1, uint16_t* tile) {
   const XLayout layout = p.layout[e];
   const bool lanes = layout == XLayout::avx512 && wt_ == WeightType::fp8;  // the BF16 kernel reads natural order
   uint16_t* h = p.h.data() + p.prow0[e] * p.ldh;
-  for (int64_t m = 0; m < M; ++m)
+  // In the AMX layout the token rows past M, up to the token tile's end, are written too (zeros): the down tiles
+  // multiply them (their outputs are dropped). Left holding whatever the scratch held before, they made the down
+  // products of every expert with a partly filled token tile ~2x slower on the H200 test machine's Xeon (random
+  // routing at T = 512: the down GEMMs' thread-seconds 6.7 -> 3.1 s over four layers; docs/perf-notes.md, U5-U6).
+  const int64_t rows = layout == XLayout::amx ? amx_rows_padded(M) : M;
+  for (int64_t m = 0; m < rows; ++m)
     for (int64_t i = r0; i < r1; ++i) {
-      const float a = g[m * I_ + i];
-      const float v = a / (1.0f + std::exp(-a)) * u[m * I_ + i];
+      float v = 0.f;
+      if (m < M) {
+        const float a = g[m * I_ + i];
+        v = a / (1.0f + std::exp(-a)) * u[m * I_ + i];
+      }
       const int64_t at = layout == XLayout::amx ? amx_x_index(m, fp8_lane(i), p.ldh)
                                                 : m * p.ldh + (lanes ? fp8_lane(i) : i);
       h[at] = float_to_bf16(v);
