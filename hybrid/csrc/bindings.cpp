@@ -37,6 +37,7 @@ PYBIND11_MODULE(_native, m) {
   m.def("set_num_threads", &set_num_threads, nogil(), "resize the kernel thread pool (0 = all CPUs)");
   m.def("num_threads", &num_threads, "threads in the kernel thread pool");
   m.def("read_bandwidth", &read_bandwidth, nogil(), "measured memory read roof, GB/s");
+  m.def("silu_mul", &silu_mul, nogil(), "out = bf16(silu(g) * u), the MoE op's SiLU step");
   m.def("count_fp8_nan", &count_fp8_nan, nogil(), "FP8 E4M3 NaN codes (0x7F, 0xFF) in a contiguous run");
   py::class_<MoELayer>(m, "MoELayer")
       .def(py::init<const std::vector<View>&, const std::vector<View>&, const std::vector<View>&,

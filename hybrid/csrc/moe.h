@@ -23,6 +23,10 @@ namespace hybrid {
 
 constexpr int64_t kSkip = -1;
 
+// out = BF16(silu(g) * u), elementwise over 1-D float32 g, u and bfloat16 out of one length: the op's SiLU step
+// (gate_up), exposed for its tests.
+void silu_mul(const View& g, const View& u, const View& out);
+
 class MoELayer {
  public:
   // Per expert e: gate[e], up[e] [I, D] and down[e] [D, I], FP8 (with *_scale [ceil/128 blocks] f32) or BF16

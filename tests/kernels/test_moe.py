@@ -415,3 +415,47 @@ def test_placement_on_tiny_model(tiny_dir):
         full_native = moe(x[None])[0]  # router and shared experts unchanged around the native op
         full_err = (full_native.double() - full.double()).abs().max().item() / full.double().abs().max().item()
         assert full_err <= 3e-2, f"{msg}; whole MoE layer differs by {full_err:.2e}"
+
+
+@pytest.mark.parametrize("n", [1, 7, 33, 1000, 4099])
+def test_silu_step_within_float64(n):
+    """The op's SiLU step (polynomial exp, vectorised per ISA) against float64: each output is the bf16 rounding of
+    a value within 5e-7 (relative) of silu(g)·u, for g down to -87; specials stay special."""
+    from hybrid import _native
+    from hybrid.kernels.view import view
+
+    gen = torch.Generator().manual_seed(n)
+    g = torch.cat([torch.empty(n // 2).uniform_(-87, 88, generator=gen),
+                   torch.randn(n - n // 2, generator=gen) * 4]).float()
+    u = (torch.randn(n, generator=gen) * 3).float()
+    out = torch.empty(n, dtype=torch.bfloat16)
+    _native.silu_mul(view(g), view(u), view(out))
+    ref = torch.nn.functional.silu(g.double()) * u.double()
+    eps = 5e-7 * ref.abs()
+    lo = torch.minimum((ref - eps).float().bfloat16(), (ref + eps).float().bfloat16()).double()
+    hi = torch.maximum((ref - eps).float().bfloat16(), (ref + eps).float().bfloat16()).double()
+    got = out.double()
+    bad = (got < lo) | (got > hi)
+    assert not bad.any(), f"{int(bad.sum())} of {n} outside: g={g[bad][:4].tolist()} got={got[bad][:4].tolist()} " \
+                          f"ref={ref[bad][:4].tolist()}"
+
+
+def test_silu_step_specials_and_errors():
+    from hybrid import _native
+    from hybrid.kernels.view import view
+
+    g = torch.tensor([float("nan"), 0.0, -0.0, 30.0, 88.0, 200.0, -87.0, 1e-30])
+    u = torch.ones_like(g)
+    out = torch.empty(len(g), dtype=torch.bfloat16)
+    _native.silu_mul(view(g), view(u), view(out))
+    o = out.float()
+    assert torch.isnan(o[0])
+    assert o[1] == 0 and o[2] == 0
+    assert o[3] == torch.tensor(30.0).bfloat16().float()  # sigmoid(30) rounds to 1 in float32
+    assert o[4] == torch.tensor(88.0).bfloat16().float() and o[5] == torch.tensor(200.0).bfloat16().float()
+    assert 0 > o[6] > -1e-35  # -87 · e^-87 ≈ -1.4e-36
+    assert o[7] == torch.tensor(5e-31).bfloat16().float()
+    with pytest.raises(ValueError, match="u"):
+        _native.silu_mul(view(g), view(u[:3].clone()), view(out))
+    with pytest.raises(ValueError, match="float32"):
+        _native.silu_mul(view(g.double()), view(u), view(out))
