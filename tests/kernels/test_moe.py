@@ -26,10 +26,12 @@ import time
 import pytest
 import torch
 
+from hybrid import _native
 from hybrid.kernels import dispatch
 from hybrid.kernels.gemm import gemm
 from hybrid.kernels.moe import CpuMoE, set_moe_lag_rounds
 from hybrid.kernels.thread_pool import set_threads, threads
+from hybrid.kernels.view import view
 from hybrid.weights.synthetic import RMS_CODE
 from tests.kernels.common import bf16, block_scales, dense64, fp8_codes, record, rel_errors, rng_for, seed_note
 
@@ -420,10 +422,7 @@ def test_placement_on_tiny_model(tiny_dir):
 @pytest.mark.parametrize("n", [1, 7, 33, 1000, 4099])
 def test_silu_step_within_float64(n):
     """The op's SiLU step (polynomial exp, vectorised per ISA) against float64: each output is the bf16 rounding of
-    a value within 5e-7 (relative) of silu(g)·u, for g down to -87; specials stay special."""
-    from hybrid import _native
-    from hybrid.kernels.view import view
-
+    a value within 5e-7 (relative) of silu(g)·u, for g down to -87, at lengths with and without vector tails."""
     gen = torch.Generator().manual_seed(n)
     g = torch.cat([torch.empty(n // 2).uniform_(-87, 88, generator=gen),
                    torch.randn(n - n // 2, generator=gen) * 4]).float()
@@ -441,9 +440,6 @@ def test_silu_step_within_float64(n):
 
 
 def test_silu_step_specials_and_errors():
-    from hybrid import _native
-    from hybrid.kernels.view import view
-
     g = torch.tensor([float("nan"), 0.0, -0.0, 30.0, 88.0, 200.0, -87.0, 1e-30])
     u = torch.ones_like(g)
     out = torch.empty(len(g), dtype=torch.bfloat16)
