@@ -152,14 +152,14 @@ def _moe_records(cfg, roof: Roof, kernels: list[str], rng) -> list[Record]:
         w = torch.rand(t, cfg.top_k)
         routes = [torch.stack([torch.randperm(experts)[:cfg.top_k] for _ in range(t)]) for _ in range(32)]
         res = torch.empty(t, d)
-        spent = [0.0, 0.0, 0.0]  # over the calls: seconds, and the threads' seconds waiting and idle at the end
+        spent: dict = {}  # over the calls: seconds, and the threads' seconds waiting, idle at the end, per stage
 
         def call(ids, x=x, w=w, res=res, spent=spent):
             t0 = time.perf_counter()
             op(x, ids, w, res)
-            spent[0] += time.perf_counter() - t0
-            spent[1] += op.wait_s
-            spent[2] += op.tail_s
+            sec = time.perf_counter() - t0
+            for k, v in (("time", sec), ("waiting", op.wait_s), ("end_idle", op.tail_s), *op.stage_s.items()):
+                spent[k] = spent.get(k, 0.0) + v
         calls = [functools.partial(call, ids) for ids in routes]
         read = sum(len(ids.unique()) for ids in routes) / len(routes) * expert_bytes
         flops = 3 * bounds.gemm_flops(t * cfg.top_k, i, d)  # gate, up, down: each [t*top_k, d] x [d, i] or back
@@ -167,13 +167,15 @@ def _moe_records(cfg, roof: Roof, kernels: list[str], rng) -> list[Record]:
         def measure(t=t, calls=calls, read=read, flops=flops, spent=spent, kernel="auto") -> Record:
             op.kernel = kernel
             sec = best_per_call(calls, cfg.repeats)
-            # the threads' time waiting for another's task and idle at the layer's end, as shares of threads x time
-            waiting, end_idle = (round(v / (threads() * spent[0]), 4) for v in spent[1:])
-            spent[:] = [0.0, 0.0, 0.0]
+            # the threads' time waiting for another's task, idle at the layer's end and in each stage of the tasks
+            # (gate_up, silu, down, sums: CpuMoE.stage_s), as shares of threads x time
+            total = threads() * spent.pop("time")
+            shares = {k: round(v / total, 4) for k, v in spent.items()}
+            spent.clear()
             return Record("moe_layer", read / sec / GB, "GB/s", None, t, None, None, "fp8",
                           {"time_ms": sec * 1e3, "tflops": flops / sec / 1e12, "experts": experts,
                            "top_k": cfg.top_k, "expert_mb_read": read / 1e6, "global_syncs": op.global_syncs,
-                           "waiting": waiting, "end_idle": end_idle, "kernel": kernel})
+                           **shares, "kernel": kernel})
         for kernel in kernels:
             out.append(roof.bracket(functools.partial(measure, kernel=kernel)))
     return out

@@ -52,7 +52,8 @@ PYBIND11_MODULE(_native, m) {
       .def("wait", &MoELayer::wait, nogil())
       .def_property_readonly("global_syncs", &MoELayer::last_global_syncs)
       .def_property_readonly("wait_s", &MoELayer::last_wait_s)
-      .def_property_readonly("tail_s", &MoELayer::last_tail_s);
+      .def_property_readonly("tail_s", &MoELayer::last_tail_s)
+      .def_property_readonly("stage_s", &MoELayer::last_stage_s);
   py::class_<HostJob>(m, "HostJob")
       .def(py::init<MoELayer*, View, View, View, View, std::string, uintptr_t>(), py::arg("layer"), py::arg("x"),
            py::arg("ids"), py::arg("weights"), py::arg("out"), py::arg("isa"), py::arg("signal") = 0,

@@ -86,6 +86,8 @@ struct MoELayer::Plan {
   // Where the participants' time went besides tasks, summed over them (ns): waiting for another thread's task
   // (an expert's gate/up rows, its prepared activations), and the end (leaving the task list until the call ends).
   std::atomic<int64_t> wait_ns{0}, out_ns{0}, tail_ns{0};
+  // ... and in the tasks' stages (last_stage_s): the gate/up GEMMs, SiLU, the down GEMM, the weighted sums
+  std::atomic<int64_t> gate_up_ns{0}, silu_ns{0}, down_ns{0}, sums_ns{0};
   std::function<void()> on_done;  // called by the last participant out of a submitted call
   int threads = 1;
   int64_t d_chunk = 0, n_chunks = 0, ldxp = 0, ldh = 0;
@@ -165,6 +167,13 @@ MoELayer::~MoELayer() { wait(); }
 int MoELayer::last_global_syncs() const { return p_->syncs.load(); }
 double MoELayer::last_wait_s() const { return p_->wait_ns.load() * 1e-9; }
 double MoELayer::last_tail_s() const { return p_->tail_ns.load() * 1e-9; }
+std::map<std::string, double> MoELayer::last_stage_s() const {
+  const Plan& p = *p_;
+  return {{"gate_up", p.gate_up_ns.load() * 1e-9},
+          {"silu", p.silu_ns.load() * 1e-9},
+          {"down", p.down_ns.load() * 1e-9},
+          {"sums", p.sums_ns.load() * 1e-9}};
+}
 
 void MoELayer::plan(const View& x, const View& ids, const View& weights, const View& out) {
   check_view(x, "x", {"bfloat16"}, 2);
@@ -283,6 +292,7 @@ void MoELayer::schedule(const std::string& isa, int participants) {
   }
   p.next_task = 0, p.arrived = 0, p.syncs = 0;
   p.wait_ns = 0, p.out_ns = 0, p.tail_ns = 0;
+  p.gate_up_ns = 0, p.silu_ns = 0, p.down_ns = 0, p.sums_ns = 0;
 }
 
 void MoELayer::wait() {
@@ -315,8 +325,11 @@ void MoELayer::gate_up(int e, int64_t r0, int64_t r1, uint16_t* tile) {
   const uint16_t* xprep = p.layout[e] == XLayout::plain ? nullptr : p.xprep.data() + p.prow0[e] * p.ldxp;
   float* g = p.g.data() + base * I_;
   float* u = p.u.data() + base * I_;
+  const int64_t t0 = now_ns();
   gemm_rows(p.isa, {x, D_, w.gate, w.ld_gu, w.gs, w.lds_gu, g, I_, M, I_, D_, wt_}, xprep, r0, r1, tile);
   gemm_rows(p.isa, {x, D_, w.up, w.ld_gu, w.us, w.lds_gu, u, I_, M, I_, D_, wt_}, xprep, r0, r1, tile);
+  const int64_t t1 = now_ns();
+  p.gate_up_ns.fetch_add(t1 - t0, std::memory_order_relaxed);
   // h in the layout the down kernel reads: row-major (lane order for the AVX-512 FP8 kernel) or the AMX layout
   const XLayout layout = p.layout[e];
   const bool lanes = layout == XLayout::avx512 && wt_ == WeightType::fp8;  // the BF16 kernel reads natural order
@@ -344,6 +357,7 @@ void MoELayer::gate_up(int e, int64_t r0, int64_t r1, uint16_t* tile) {
       for (int64_t j = 0; j < n; ++j) row[at[j]] = v[j];
     }
   }
+  p.silu_ns.fetch_add(now_ns() - t1, std::memory_order_relaxed);
   p.gu_left[e].fetch_sub(1, std::memory_order_acq_rel);
 }
 
@@ -355,12 +369,16 @@ void MoELayer::down(int e, int64_t r0, int64_t r1, uint16_t* tile) {
   const bool plain = p.layout[e] == XLayout::plain;
   const uint16_t* h = p.h.data() + p.prow0[e] * p.ldh;
   const GemmProblem q{h, p.ldh, w.down, w.ld_d, w.ds, w.lds_d, p.y.data() + base * D_, D_, p.rows[e], D_, I_, wt_};
+  const int64_t t0 = now_ns();
   gemm_rows(p.isa, q, plain ? nullptr : h, r0, r1, tile);
+  const int64_t t1 = now_ns();
+  p.down_ns.fetch_add(t1 - t0, std::memory_order_relaxed);
   const int64_t j = r0 / p.d_chunk;  // down tasks are whole chunks
   for (int64_t r = 0; r < p.rows[e]; ++r) {
     const int64_t t = p.token[base + r];
     if (p.reduce_left[t * p.n_chunks + j].fetch_sub(1, std::memory_order_acq_rel) == 1) reduce(t, r0, r1);
   }
+  p.sums_ns.fetch_add(now_ns() - t1, std::memory_order_relaxed);
 }
 
 void MoELayer::reduce(int64_t t, int64_t d0, int64_t d1) {

@@ -11,6 +11,7 @@
 #pragma once
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -57,6 +58,9 @@ class MoELayer {
   // the end (from leaving the task list to the last one's leaving).
   double last_wait_s() const;
   double last_tail_s() const;
+  // The last call's participants' seconds in each stage of the tasks, summed over them: "gate_up" (the two GEMMs),
+  // "silu" (SiLU ⊙ up into the down GEMM's layout), "down" (its GEMM), "sums" (the weighted sums over experts).
+  std::map<std::string, double> last_stage_s() const;
 
  private:
   struct Expert {

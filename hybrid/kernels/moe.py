@@ -99,6 +99,13 @@ class CpuMoE:
         leaving: the layer's end, where threads run out of tasks at different times."""
         return self._op.tail_s
 
+    @property
+    def stage_s(self) -> dict[str, float]:
+        """The last call's threads' seconds, summed over them, in each stage of the tasks: "gate_up" (the gate and up
+        GEMMs), "silu" (SiLU(gate) ⊙ up, written in the down GEMM's layout), "down" (the down GEMM) and "sums" (each
+        token's weighted sum over its experts, taken by whoever finishes its last down rows)."""
+        return self._op.stage_s
+
 
 def set_moe_lag_rounds(rounds: int) -> None:
     """How many rounds of tasks (one per thread) an expert's down tasks are queued behind its gate/up tasks (default

@@ -250,7 +250,8 @@ def test_submit_wait_equals_call(variant, wtype):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_task_order_changes_no_result(variant):
     """An expert's down tasks queued 0, 1 or 2 rounds of tasks behind its gate/up tasks: the same bits at every
-    thread count; the threads' seconds spent waiting and idle at the end lie within threads x the call."""
+    thread count; the threads' seconds spent waiting, idle at the end and in the tasks' stages lie within threads x
+    the call."""
     D, I = DIMS[1]
     op = op_for("fp8", D, I, variant)
     before = threads()
@@ -265,8 +266,12 @@ def test_task_order_changes_no_result(variant):
                     t0 = time.perf_counter()
                     got[rounds] = op(x, ids, w)
                     wall = time.perf_counter() - t0
-                    for what, sec in (("waiting", op.wait_s), ("idle at the end", op.tail_s)):
+                    stages = op.stage_s
+                    assert set(stages) == {"gate_up", "silu", "down", "sums"} and stages["gate_up"] > 0 \
+                        and stages["down"] > 0, stages
+                    for what, sec in (("waiting", op.wait_s), ("idle at the end", op.tail_s), *stages.items()):
                         assert 0 <= sec <= n * wall, f"{what}: {sec} s for {n} threads over a {wall} s call"
+                    assert op.wait_s + op.tail_s + sum(stages.values()) <= n * wall, (op.wait_s, op.tail_s, stages)
                 assert torch.equal(got[2], got[1]) and torch.equal(got[2], got[0]), \
                     f"{variant} {n} threads T={T}; {seed_note()}"
     finally:
