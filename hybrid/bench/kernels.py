@@ -168,7 +168,7 @@ def _moe_records(cfg, roof: Roof, kernels: list[str], rng) -> list[Record]:
             op.kernel = kernel
             sec = best_per_call(calls, cfg.repeats)
             # the threads' time waiting for another's task, idle at the layer's end and in each stage of the tasks
-            # (gate_up, silu, down, sums: CpuMoE.stage_s), as shares of threads x time
+            # (prep, gate_up, silu, down, sums: CpuMoE.stage_s), as shares of threads x time
             total = threads() * spent.pop("time")
             shares = {k: round(v / total, 4) for k, v in spent.items()}
             spent.clear()

@@ -9,8 +9,8 @@ same run, and TFLOP/s, per kernel variant. `--amx-prefetch=-1,0,512`: variant am
 (set_amx_prefetch); `--amx-overlap=1,0`: with the next weight slab converted while the tiles multiply and without
 (set_amx_overlap); `--lag-rounds=2,1`: an expert's down tasks queued that many rounds of tasks behind its gate/up
 tasks (set_moe_lag_rounds); every combination is a way, the ways alternating within each repeat. Per way, the
-threads' time waiting for another's task and idle at the layer's end, and in each stage of the tasks (the gate/up
-GEMMs, SiLU, the down GEMM, the weighted sums: CpuMoE.stage_s), as shares of threads x time.
+threads' time waiting for another's task and idle at the layer's end, and in each stage of the tasks (activations
+packed, the gate/up GEMMs, SiLU, the down GEMM, the weighted sums: CpuMoE.stage_s), as shares of threads x time.
 
 `--lanes N`: decode's two-request step instead, N times per way, side by side: one call of two tokens; two one-token
 calls in turn (each joined before the next is submitted: a job's tail and the next one's start do not overlap); two
@@ -122,8 +122,8 @@ def main(argv=None) -> None:
             name = kernel if kernel != "amx" else f"{kernel} pf {way[0]} ov {way[1]}"
             print(f"{name:12s} lag {way[2]}  best {best * 1e3:7.1f} ms  median {med * 1e3:7.1f} ms  "
                   f"{gb / best:6.1f} GB/s ({gb / best / roof:4.0%} of the roof)  {flop / best / 1e12:5.2f} TFLOP/s  "
-                  f"waiting {mean['waiting']:4.1%}  idle at the end {mean['end']:4.1%}  |  gate/up "
-                  f"{mean['gate_up']:4.1%}  SiLU {mean['silu']:4.1%}  down {mean['down']:4.1%}  "
+                  f"waiting {mean['waiting']:4.1%}  idle at the end {mean['end']:4.1%}  |  prep {mean['prep']:4.1%}  "
+                  f"gate/up {mean['gate_up']:4.1%}  SiLU {mean['silu']:4.1%}  down {mean['down']:4.1%}  "
                   f"sums {mean['sums']:4.1%}")
 
 

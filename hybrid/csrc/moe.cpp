@@ -20,16 +20,16 @@ namespace {
 // |r| <= ln2/2, so the loop vectorises (moe.cpp is built with -fno-trapping-math for its clamps; one clone per ISA).
 // With gate_up's scatter into h (lane offsets computed once per piece) the SiLU step went from 8.6 to 3.4 ms of each
 // thread's ~150-ms T = 512 layer on the H200 host (std::exp and amx_x_index per element before; perf notes, U11).
-// Within 2.6e-7 of float64 silu(g) for g >= -87 over 2 M draws (tests/kernels/test_moe.py holds it to 5e-7); -g is
-// clamped to [-87, 88], where 2^n stays a normal float, so below g = -87 (results under 1e-36) it is not exact.
-// A NaN g gives NaN.
+// Within 2.6e-7 of float64 silu(g) over 2 M draws (tests/kernels/test_moe.py holds it to 5e-7) wherever expf(-g)
+// is finite (g > -88.7); below, as with expf, the denominator overflows and the result is -0; -inf and NaN give NaN.
+// -g is clamped to [-87, 176] and 2^n built as two normal factors, so that the product overflows where expf does.
 __attribute__((target_clones("avx512f", "avx2", "default"))) void silu_mul_bf16(const float* g, const float* u,
                                                                                int64_t n, uint16_t* out) {
   for (int64_t i = 0; i < n; ++i) {
     const float a = g[i];
     float x = -a;
     x = x > -87.0f ? x : -87.0f;  // a NaN x goes to a bound here; a / ... below is NaN anyway
-    x = x < 88.0f ? x : 88.0f;
+    x = x < 176.0f ? x : 176.0f;
     const float nf = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
     const float r = (x - nf * 0.693145752f) - nf * 1.42860677e-6f;   // x - n ln2, ln2 in two parts
     float q = 1.0f / 720;
@@ -39,10 +39,12 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void silu_mul_bf16(
     q = q * r + 0.5f;
     q = q * r + 1.0f;
     q = q * r + 1.0f;
-    const int32_t bits = (int32_t(nf) + 127) << 23;
-    float two_n;
-    std::memcpy(&two_n, &bits, 4);
-    const float v = a / (1.0f + q * two_n) * u[i];
+    const int32_t n1 = int32_t(nf) >> 1, n2 = int32_t(nf) - n1;  // n in [-126, 254]: both halves normal
+    const int32_t b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
+    float s1, s2;
+    std::memcpy(&s1, &b1, 4);
+    std::memcpy(&s2, &b2, 4);
+    const float v = a / (1.0f + q * s1 * s2) * u[i];
     uint32_t b;
     std::memcpy(&b, &v, 4);
     out[i] = uint16_t((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
@@ -86,8 +88,9 @@ struct MoELayer::Plan {
   // Where the participants' time went besides tasks, summed over them (ns): waiting for another thread's task
   // (an expert's gate/up rows, its prepared activations), and the end (leaving the task list until the call ends).
   std::atomic<int64_t> wait_ns{0}, out_ns{0}, tail_ns{0};
-  // ... and in the tasks' stages (last_stage_s): the gate/up GEMMs, SiLU, the down GEMM, the weighted sums
-  std::atomic<int64_t> gate_up_ns{0}, silu_ns{0}, down_ns{0}, sums_ns{0};
+  // ... and in the tasks' stages (last_stage_s): an expert's activations gathered and packed, the gate/up GEMMs,
+  // SiLU, the down GEMM, the weighted sums (a cache line of their own: every task adds to them)
+  alignas(64) std::atomic<int64_t> prep_ns{0}, gate_up_ns{0}, silu_ns{0}, down_ns{0}, sums_ns{0};
   std::function<void()> on_done;  // called by the last participant out of a submitted call
   int threads = 1;
   int64_t d_chunk = 0, n_chunks = 0, ldxp = 0, ldh = 0;
@@ -169,7 +172,8 @@ double MoELayer::last_wait_s() const { return p_->wait_ns.load() * 1e-9; }
 double MoELayer::last_tail_s() const { return p_->tail_ns.load() * 1e-9; }
 std::map<std::string, double> MoELayer::last_stage_s() const {
   const Plan& p = *p_;
-  return {{"gate_up", p.gate_up_ns.load() * 1e-9},
+  return {{"prep", p.prep_ns.load() * 1e-9},
+          {"gate_up", p.gate_up_ns.load() * 1e-9},
           {"silu", p.silu_ns.load() * 1e-9},
           {"down", p.down_ns.load() * 1e-9},
           {"sums", p.sums_ns.load() * 1e-9}};
@@ -292,7 +296,7 @@ void MoELayer::schedule(const std::string& isa, int participants) {
   }
   p.next_task = 0, p.arrived = 0, p.syncs = 0;
   p.wait_ns = 0, p.out_ns = 0, p.tail_ns = 0;
-  p.gate_up_ns = 0, p.silu_ns = 0, p.down_ns = 0, p.sums_ns = 0;
+  p.prep_ns = 0, p.gate_up_ns = 0, p.silu_ns = 0, p.down_ns = 0, p.sums_ns = 0;
 }
 
 void MoELayer::wait() {
@@ -306,11 +310,13 @@ void MoELayer::prepare_expert(int e) {
   Plan& p = *p_;
   int expected = 0;
   if (p.prep[e].compare_exchange_strong(expected, 1)) {
+    const int64_t t0 = now_ns();
     const int64_t base = p.row0[e];
     for (int64_t r = 0; r < p.rows[e]; ++r)
       std::memcpy(p.xg.data() + (base + r) * D_, p.x + p.token[base + r] * p.ldx, D_ * sizeof(uint16_t));
     const GemmProblem q{p.xg.data() + base * D_, D_, nullptr, 0, nullptr, 0, nullptr, 0, p.rows[e], 0, D_, wt_};
     prepare_x_rows(p.isa, p.layout[e], q, p.xprep.data() + p.prow0[e] * p.ldxp);
+    p.prep_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     p.prep[e].store(2, std::memory_order_release);
   }
   wait_until([&] { return p.prep[e].load(std::memory_order_acquire) == 2; }, p.wait_ns);

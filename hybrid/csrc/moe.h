@@ -58,8 +58,9 @@ class MoELayer {
   // the end (from leaving the task list to the last one's leaving).
   double last_wait_s() const;
   double last_tail_s() const;
-  // The last call's participants' seconds in each stage of the tasks, summed over them: "gate_up" (the two GEMMs),
-  // "silu" (SiLU ⊙ up into the down GEMM's layout), "down" (its GEMM), "sums" (the weighted sums over experts).
+  // The last call's participants' seconds in each stage of the tasks, summed over them: "prep" (an expert's
+  // activations gathered and packed), "gate_up" (the two GEMMs), "silu" (SiLU ⊙ up into the down GEMM's layout),
+  // "down" (its GEMM), "sums" (the weighted sums over experts).
   std::map<std::string, double> last_stage_s() const;
 
  private:

@@ -26,6 +26,6 @@ def test_moe_records_carry_time_and_the_threads_shares():
         assert r.name == "moe_layer" and r.value > 0 and n["time_ms"] > 0 and n["global_syncs"] == 1
         # the threads' waiting, end-idle and per-stage seconds are shares of the threads' time: between 0 and 1, the
         # stages' and the waiting's together too; the GEMMs took some of it
-        shares = [n[k] for k in ("waiting", "end_idle", "gate_up", "silu", "down", "sums")]
+        shares = [n[k] for k in ("waiting", "end_idle", "prep", "gate_up", "silu", "down", "sums")]
         assert all(0 <= s <= 1 for s in shares) and sum(shares) <= 1.01, n
         assert n["gate_up"] > 0 and n["down"] > 0, n

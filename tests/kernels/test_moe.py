@@ -267,7 +267,7 @@ def test_task_order_changes_no_result(variant):
                     got[rounds] = op(x, ids, w)
                     wall = time.perf_counter() - t0
                     stages = op.stage_s
-                    assert set(stages) == {"gate_up", "silu", "down", "sums"} and stages["gate_up"] > 0 \
+                    assert set(stages) == {"prep", "gate_up", "silu", "down", "sums"} and stages["gate_up"] > 0 \
                         and stages["down"] > 0, stages
                     for what, sec in (("waiting", op.wait_s), ("idle at the end", op.tail_s), *stages.items()):
                         assert 0 <= sec <= n * wall, f"{what}: {sec} s for {n} threads over a {wall} s call"
@@ -427,9 +427,10 @@ def test_placement_on_tiny_model(tiny_dir):
 @pytest.mark.parametrize("n", [1, 7, 33, 1000, 4099])
 def test_silu_step_within_float64(n):
     """The op's SiLU step (polynomial exp, vectorised per ISA) against float64: each output is the bf16 rounding of
-    a value within 5e-7 (relative) of silu(g)·u, for g down to -87, at lengths with and without vector tails."""
+    a value within 5e-7 (relative) of silu(g)·u wherever expf(-g) is finite (g > -88.7), at lengths with and
+    without vector tails."""
     gen = torch.Generator().manual_seed(n)
-    g = torch.cat([torch.empty(n // 2).uniform_(-87, 88, generator=gen),
+    g = torch.cat([torch.empty(n // 2).uniform_(-88.7, 88, generator=gen),
                    torch.randn(n - n // 2, generator=gen) * 4]).float()
     u = (torch.randn(n, generator=gen) * 3).float()
     out = torch.empty(n, dtype=torch.bfloat16)
@@ -445,17 +446,22 @@ def test_silu_step_within_float64(n):
 
 
 def test_silu_step_specials_and_errors():
-    g = torch.tensor([float("nan"), 0.0, -0.0, 30.0, 88.0, 200.0, -87.0, 1e-30])
+    inf, nan = float("inf"), float("nan")
+    g = torch.tensor([nan, 0.0, -0.0, 30.0, 88.0, 200.0, -87.0, 1e-30, -88.5, -95.0, -1e30, -3e38, -inf, inf])
     u = torch.ones_like(g)
     out = torch.empty(len(g), dtype=torch.bfloat16)
     _native.silu_mul(view(g), view(u), view(out))
     o = out.float()
-    assert torch.isnan(o[0])
+    assert torch.isnan(o[0]) and torch.isnan(o[12])  # NaN, and -inf · sigmoid(-inf) as expf's version gave
     assert o[1] == 0 and o[2] == 0
     assert o[3] == torch.tensor(30.0).bfloat16().float()  # sigmoid(30) rounds to 1 in float32
     assert o[4] == torch.tensor(88.0).bfloat16().float() and o[5] == torch.tensor(200.0).bfloat16().float()
+    assert o[13] == inf
     assert 0 > o[6] > -1e-35  # -87 · e^-87 ≈ -1.4e-36
     assert o[7] == torch.tensor(5e-31).bfloat16().float()
+    assert o[8] == torch.tensor(-88.5 * math.exp(-88.5)).bfloat16().float()  # e^88.5 is still a float
+    # past expf's range the denominator overflows: -0, as with expf (not g · e^-88 from a clamped exponent)
+    assert all(o[i] == 0 and torch.signbit(o[i]) for i in (9, 10, 11)), o[9:12]
     with pytest.raises(ValueError, match="u"):
         _native.silu_mul(view(g), view(u[:3].clone()), view(out))
     with pytest.raises(ValueError, match="float32"):
