@@ -102,8 +102,9 @@ class CpuMoE:
     @property
     def stage_s(self) -> dict[str, float]:
         """The last call's threads' seconds, summed over them, in each stage of the tasks: "prep" (an expert's
-        activations gathered and packed for its kernels), "gate_up" (the gate and up GEMMs), "silu" (SiLU(gate) ⊙ up, written in the down GEMM's layout), "down" (the down GEMM) and "sums" (each
-        token's weighted sum over its experts, taken by whoever finishes its last down rows)."""
+        activations gathered and packed for its kernels), "gate_up" (the gate and up GEMMs), "silu" (SiLU(gate) ⊙ up,
+        written in the down GEMM's layout), "down" (the down GEMM) and "sums" (each token's weighted sum over its
+        experts, taken by whoever finishes its last down rows)."""
         return self._op.stage_s
 
 
