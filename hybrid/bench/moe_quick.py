@@ -52,8 +52,8 @@ def main(argv=None) -> None:
     ap.add_argument("--amx-min-tokens", type=int, default=None, help="tokens per expert from which the amx variant "
                     "runs AMX tiles (default: policy.cpu.amx_min_tokens's default)")
     ap.add_argument("--amx-prefetch", default="-1", help="variant amx: bytes ahead prefetched into L2, comma-"
-                    "separated ways (-1: the next 32-row group's same spot, the default; -2: the next group in "
-                    "address order; 0: none; n: n bytes along the row)")
+                    "separated ways (-1: the next 32-row group's same spot, the default; 0: none; n: n bytes along "
+                    "the row)")
     ap.add_argument("--amx-overlap", default="1", help="variant amx: 1 = the next slab converted while the tiles "
                     "multiply (the default), 0 = after them; comma-separated ways")
     ap.add_argument("--lag-rounds", default="2", help="rounds of tasks (one per thread) an expert's down tasks are "

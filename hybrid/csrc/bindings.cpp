@@ -26,7 +26,7 @@ PYBIND11_MODULE(_native, m) {
   m.def("set_tile_min_m", &set_tile_min_m, "tokens from which the FP8 GEMM converts each weight tile once");
   m.def("set_amx_min_m", &set_amx_min_m, "tokens from which variant amx runs an FP8 GEMM on AMX tiles");
   m.def("set_amx_prefetch", &set_amx_prefetch, "variant amx: bytes ahead of each FP8 load prefetched into L2 "
-        "(-1: the next 32-row group's same spot, -2: the next group in address order, 0: none)");
+        "(-1: the next 32-row group's same spot, 0: none)");
   m.def("set_amx_overlap", &set_amx_overlap, "variant amx: the next weight slab converted while this one's tiles "
         "multiply (true, the default) or after them");
   m.def("set_moe_lag_rounds", &set_moe_lag_rounds, "MoE layer: rounds of tasks (one per thread) an expert's down "

@@ -99,9 +99,7 @@ void set_amx_min_m(int64_t m) {
 }
 
 void set_amx_prefetch(int64_t bytes) {
-  if (bytes < -2)
-    fail("amx_prefetch must be -1 (the next row group), -2 (the next row group in address order), 0 (none) or a "
-         "byte distance > 0");
+  if (bytes < -1) fail("amx_prefetch must be -1 (the next row group), 0 (none) or a byte distance > 0");
   tunables().amx_prefetch = bytes;
 }
 

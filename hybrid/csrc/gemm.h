@@ -46,24 +46,17 @@ void gemm_rows_avx512(const GemmProblem& p, const uint16_t* xprep, int64_t n0, i
 
 // AVX-512: activations in the kernel's lane order (fp8 path) or natural order (bf16 path).
 void prepare_x_avx512(const GemmProblem& p, uint16_t* xprep);
-// Where convert_rows prefetches into L2 as it converts row n + i, 64-chunk c of [c0, c1): the line at
-// base + c0 * per_c0 + i * per_row + (c - c0) * per_chunk (base null: none). E.g. {w + (n + 16) * ldw, 64, ldw, 64}:
-// the same spot 16 rows further on.
-struct ConvertPrefetch {
-  const uint8_t* base;
-  int64_t per_c0, per_row, per_chunk;
-};
 // Rows [n, n+count), 64-chunks [c0, c1) of FP8 weights -> BF16 in the kernel's lane order, row r chunk c at
-// buf + r*ld + (c-c0)*64 (zeros past K), prefetching as `pf` says.
-void convert_rows_avx512(const GemmProblem& p, int64_t n, int64_t count, int64_t c0, int64_t c1,
-                         const ConvertPrefetch& pf, uint16_t* buf, int64_t ld);
+// buf + r*ld + (c-c0)*64 (zeros past K); `prefetch`: bytes ahead of each load to prefetch (0: none).
+void convert_rows_avx512(const GemmProblem& p, int64_t n, int64_t count, int64_t c0, int64_t c1, int64_t prefetch,
+                         uint16_t* buf, int64_t ld);
 // The same three for variant avx512 (gemm_avx512.cpp compiled without -mavx512bf16, gemm_avx512_nobf16.cpp): the
 // same activation layout (XLayout::avx512), tile buffer and results up to the FP32 summation order.
 void gemm_rows_avx512_nobf16(const GemmProblem& p, const uint16_t* xprep, int64_t n0, int64_t n1,
                              uint16_t* tile_buf);
 void prepare_x_avx512_nobf16(const GemmProblem& p, uint16_t* xprep);
 void convert_rows_avx512_nobf16(const GemmProblem& p, int64_t n, int64_t count, int64_t c0, int64_t c1,
-                                const ConvertPrefetch& pf, uint16_t* buf, int64_t ld);
+                                int64_t prefetch, uint16_t* buf, int64_t ld);
 // Scratch the AVX-512 prefill path needs per thread (a converted weight tile), in uint16 elements.
 constexpr int64_t kTileRows = 16;
 static inline int64_t tile_buf_elems(int64_t K) { return kTileRows * padded_k(K); }
@@ -78,8 +71,7 @@ struct Tunables {
   // experts, an expert gets 16 tokens on average, at T = 128 four).
   int64_t amx_min_m = 8;
   // Variant amx: where each FP8 load's prefetch into L2 points: -1 = the same spot of the next 32-row group (whose
-  // bytes then arrive while this group's tiles multiply), -2 = the next group in address order, one line per 64
-  // weights converted (rows stored back to back; else as -1), 0 = no prefetch (the hardware prefetchers alone),
+  // bytes then arrive while this group's tiles multiply), 0 = no prefetch (the hardware prefetchers alone),
   // n > 0 = n bytes further along the same row.
   int64_t amx_prefetch = -1;
   // Variant amx: the next slab converted while this one's tiles multiply (true), or after them (false: convert,

@@ -19,20 +19,12 @@ struct alignas(64) TileConfig {
 
 // The intrinsics take tile numbers as literals, hence one branch per tile.
 struct Tiles {
-  static void convert(const GemmProblem& p, int64_t g, int64_t n, int64_t count, int64_t c0, int64_t c1,
-                      uint16_t* buf, int64_t ld) {
-    // prefetched into L2 as each row is converted (tunables().amx_prefetch): by default the same spot of the next
-    // 32-row group, so that group's bytes arrive while this one's tiles are multiplied; with -2 the next group in
-    // address order: its line 64 s + 2 r + j while slab s's row r (of the group), chunk j is converted (a group's
-    // slabs are 2 chunks wide, so its conversions cover the next group's lines once, in order)
+  static void convert(const GemmProblem& p, int64_t n, int64_t count, int64_t c0, int64_t c1, uint16_t* buf,
+                      int64_t ld) {
+    // prefetched into L2 as each row is converted: by default the same spot of the next 32-row group, so that
+    // group's bytes arrive while this one's tiles are multiplied (tunables().amx_prefetch)
     const int64_t ahead = tunables().amx_prefetch;
-    const auto* w = static_cast<const uint8_t*>(p.w);
-    ConvertPrefetch pf{nullptr, 0, 0, 0};
-    if (ahead == -2 && p.ldw == p.K)
-      pf = {w + (g + kAmxRows) * p.ldw + (n - g) * 2 * kChunk, kAmxRows * kChunk, 2 * kChunk, kChunk};
-    else if (ahead != 0)
-      pf = {w + n * p.ldw + (ahead < 0 ? kAmxRows * p.ldw : ahead), kChunk, p.ldw, kChunk};
-    convert_rows_avx512(p, n, count, c0, c1, pf, buf, ld);
+    convert_rows_avx512(p, n, count, c0, c1, ahead < 0 ? kAmxRows * p.ldw : ahead, buf, ld);
   }
   template <int T>
   static void zero() {

@@ -23,8 +23,8 @@ float bf16_daz(uint16_t v) { return (v & 0x7F80) ? bf16_to_float(v) : 0.f; }
 thread_local uint8_t regs[8][1024];  // 8 tiles of 16 rows x 64 bytes
 
 struct Tiles {
-  static void convert(const GemmProblem& p, int64_t, int64_t n, int64_t count, int64_t c0, int64_t c1,
-                      uint16_t* buf, int64_t ld) {
+  static void convert(const GemmProblem& p, int64_t n, int64_t count, int64_t c0, int64_t c1, uint16_t* buf,
+                      int64_t ld) {
     for (int64_t r = 0; r < count; ++r) {
       const uint8_t* w = static_cast<const uint8_t*>(p.w) + (n + r) * p.ldw;
       uint16_t* out = buf + r * ld - c0 * kChunk;

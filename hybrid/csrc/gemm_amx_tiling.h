@@ -2,8 +2,8 @@
 // gemm_amx_emulated.cpp). Everything here is in an unnamed namespace: each including file compiles its own copy
 // with its own flags, and nothing is shared between them (see gemm.h on the ISA files).
 //
-// Ops: convert(p, g, n, count, c0, c1, buf, ld): FP8 rows [n, n+count) of the 32-row group starting at g, 64-chunks
-// [c0, c1) to BF16 lanes, row r at buf + r*ld; zero<T>(), load<T>(ptr, stride_bytes), dp<C>() (tdpbf16ps into C tile C from A tile 4 + C/2 and
+// Ops: convert(p, n, count, c0, c1, buf, ld): FP8 rows [n, n+count), 64-chunks [c0, c1) to BF16 lanes, row r at
+// buf + r*ld; zero<T>(), load<T>(ptr, stride_bytes), dp<C>() (tdpbf16ps into C tile C from A tile 4 + C/2 and
 // B tile 6 + C%2), store<C>(ptr, stride_bytes). Tiles 0-3: C (weight-row tile r, token tile t at 2r + t), 4-5: A,
 // 6-7: B; all 16 rows x 64 bytes.
 #pragma once
@@ -78,8 +78,7 @@ void amx_rows(const GemmProblem& p, const uint16_t* xv, int64_t n0, int64_t n1, 
     const int64_t rows = std::min(kAmxRows, n1 - g), padded = rows > kAmxTokens ? 2 * kAmxTokens : kAmxTokens;
     if (r0 == 0 && rows < padded) std::memset(into + rows * ld, 0, (padded - rows) * ld * 2);
     r1 = std::min(r1, rows);
-    if (r0 < r1)
-      Ops::convert(p, g, g + r0, r1 - r0, s0 / kChunk, std::min(kp, s0 + slab) / kChunk, into + r0 * ld, ld);
+    if (r0 < r1) Ops::convert(p, g + r0, r1 - r0, s0 / kChunk, std::min(kp, s0 + slab) / kChunk, into + r0 * ld, ld);
   };
   const bool overlap = tunables().amx_overlap;
   convert(n0, 0, buf, 0, kAmxRows);

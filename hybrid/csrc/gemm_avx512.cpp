@@ -203,13 +203,10 @@ void rows_tokens_outer(const GemmProblem& p, const uint16_t* xp, int64_t n0, int
 }  // namespace
 
 void HYBRID_AVX512_FN(convert_rows)(const GemmProblem& p, int64_t n, int64_t count, int64_t c0, int64_t c1,
-                                    const ConvertPrefetch& pf, uint16_t* buf, int64_t ld) {
-  const Fp8Rows L{static_cast<const uint8_t*>(p.w) + n * p.ldw, p.ldw, p.K, &tables(), 0};
-  const uint8_t* ahead = pf.base ? pf.base + c0 * pf.per_c0 : nullptr;
+                                    int64_t prefetch, uint16_t* buf, int64_t ld) {
+  const Fp8Rows L{static_cast<const uint8_t*>(p.w) + n * p.ldw, p.ldw, p.K, &tables(), prefetch};
   for (int r = 0; r < count; ++r)
     for (int64_t c = c0; c < c1; ++c) {
-      if (ahead)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + r * pf.per_row + (c - c0) * pf.per_chunk), _MM_HINT_T1);
       __m512i a, b;
       L.load(r, c, a, b);
       _mm512_store_si512(buf + r * ld + (c - c0) * kChunk, a);
@@ -251,8 +248,7 @@ void HYBRID_AVX512_FN(gemm_rows)(const GemmProblem& p, const uint16_t* xp, int64
   const int64_t ld = padded_k(p.K);
   for (int64_t g = n0; g < n1; g += kTileRows) {
     const int64_t count = lo(kTileRows, n1 - g);
-    const ConvertPrefetch next_tile{w + (g + kTileRows) * p.ldw, kChunk, p.ldw, kChunk};  // the same spot 16 rows on
-    HYBRID_AVX512_FN(convert_rows)(p, g, count, 0, ld / kChunk, next_tile, tile_buf, ld);
+    HYBRID_AVX512_FN(convert_rows)(p, g, count, 0, ld / kChunk, kTileRows * p.ldw, tile_buf, ld);
     auto tile_rows = [&](int64_t n) { return Bf16Tile{tile_buf + (n - g) * ld, ld}; };
 #if HYBRID_AVX512_NO_BF16
     // Measured on an Emerald Rapids VM (docs/perf-notes.md, 2026-12-01): tokens outermost beat rows<2, 4> by

@@ -31,8 +31,7 @@ def set_amx_min_tokens(m: int) -> None:
 
 def set_amx_prefetch(bytes_ahead: int) -> None:
     """Variant amx: where each FP8 load's prefetch into L2 points: -1 the same spot of the next 32-row group (the
-    default), -2 the next group in address order (one line per 64 weights converted; rows stored back to back,
-    else as -1), 0 none (the hardware prefetchers alone), n > 0 n bytes further along the row."""
+    default), 0 none (the hardware prefetchers alone), n > 0 n bytes further along the row."""
     _native.set_amx_prefetch(bytes_ahead)
 
 

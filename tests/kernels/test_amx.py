@@ -200,12 +200,12 @@ def test_prefetch_distance_changes_no_result(amx_from):
     x = bf16(rng, (33, 1100))
     try:
         got = []
-        for ahead in (-1, 0, 512, -2):
+        for ahead in (-1, 0, 512):
             set_amx_prefetch(ahead)
             got.append(gemm(x, w, s, kernel="amx"))
     finally:
         set_amx_prefetch(-1)
-    assert all(torch.equal(got[0], g) for g in got[1:])
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
 
 
 @pytest.mark.parametrize("N,K", [(300, 1100), (65, 63), (576, 130)], ids=["300x1100", "65x63", "576x130"])
@@ -227,7 +227,7 @@ def test_overlap_changes_no_result(variant, N, K, amx_from):
 
 def test_amx_prefetch_checked():
     with pytest.raises(ValueError, match="amx_prefetch must be -1"):
-        set_amx_prefetch(-3)
+        set_amx_prefetch(-2)
 
 
 def test_amx_min_tokens_checked():
