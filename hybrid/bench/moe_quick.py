@@ -8,7 +8,8 @@ uniformly as bench=kernels draws them. Prints time, GB/s of expert bytes against
 same run, and TFLOP/s, per kernel variant. `--amx-prefetch=-1,0,512`: variant amx at each prefetch distance
 (set_amx_prefetch); `--amx-overlap=1,0`: with the next weight slab converted while the tiles multiply and without
 (set_amx_overlap); `--lag-rounds=2,1`: an expert's down tasks queued that many rounds of tasks behind its gate/up
-tasks (set_moe_lag_rounds); every combination is a way, the ways alternating within each repeat. Per way, the
+tasks (set_moe_lag_rounds); `--order=longest,ids`: the experts' tasks queued by token count, most first (the
+default), or by expert id (set_moe_longest_first); every combination is a way, the ways alternating within each repeat. Per way, the
 threads' time waiting for another's task and idle at the layer's end, and in each stage of the tasks (activations
 packed, the gate/up GEMMs, SiLU, the down GEMM, the weighted sums: CpuMoE.stage_s), as shares of threads x time.
 
@@ -26,7 +27,7 @@ import torch
 from hybrid.kernels import membw
 from hybrid.kernels.dispatch import available
 from hybrid.kernels.gemm import set_amx_min_tokens, set_amx_overlap, set_amx_prefetch
-from hybrid.kernels.moe import CpuMoE, set_moe_lag_rounds
+from hybrid.kernels.moe import CpuMoE, set_moe_lag_rounds, set_moe_longest_first
 from hybrid.kernels.thread_pool import set_threads, threads
 
 
@@ -58,11 +59,15 @@ def main(argv=None) -> None:
                     "multiply (the default), 0 = after them; comma-separated ways")
     ap.add_argument("--lag-rounds", default="2", help="rounds of tasks (one per thread) an expert's down tasks are "
                     "queued behind its gate/up tasks (2: the default); comma-separated ways")
+    ap.add_argument("--order", default="longest", help="the experts' tasks queued by token count, most first "
+                    "(longest, the default) or by expert id (ids); comma-separated ways")
     ap.add_argument("--roof-gb", type=float, default=4.0, help="buffer of the read-roof probe (GB)")
     ap.add_argument("--lanes", type=int, default=0, help="time decode's two-request step this many times per way "
                     "(one two-token call, two one-token calls in turn, two queued) instead of the layer")
     a = ap.parse_args(argv)
     E, tpe, K, D, I = a.experts, a.tokens_per_expert, a.top_k, 7168, 2048
+    if set(a.order.split(",")) - {"longest", "ids"}:
+        ap.error(f"--order: ways are 'longest' and 'ids', not {a.order!r}")
     if (E * tpe) % K:
         ap.error("experts x tokens-per-expert must be a multiple of top-k")
     set_threads(a.threads)
@@ -98,13 +103,15 @@ def main(argv=None) -> None:
         op = CpuMoE(turn(w[0]), turn(w[1]), turn(w[2]), turn(s[0]), turn(s[1]), turn(s[2]), kernel=kernel)
         amx = [(int(pf), int(ov)) for pf in a.amx_prefetch.split(",") for ov in a.amx_overlap.split(",")] \
             if kernel == "amx" else [(-1, 1)]
-        ways = [(pf, ov, int(lag)) for pf, ov in amx for lag in a.lag_rounds.split(",")]
+        ways = [(pf, ov, int(lag), order) for pf, ov in amx for lag in a.lag_rounds.split(",")
+                for order in a.order.split(",")]
         ts: dict = {way: [] for way in ways}
         for r in range(a.repeats + 1):  # the first round warms up
             for way in ways:
                 set_amx_prefetch(way[0])
                 set_amx_overlap(bool(way[1]))
                 set_moe_lag_rounds(way[2])
+                set_moe_longest_first(way[3] == "longest")
                 t0 = time.perf_counter()
                 op(x, ids, weights)
                 if r:
@@ -115,12 +122,13 @@ def main(argv=None) -> None:
         set_amx_prefetch(-1)
         set_amx_overlap(True)
         set_moe_lag_rounds(2)
+        set_moe_longest_first(True)
         for way, runs in ts.items():
             t = sorted(sec for sec, _ in runs)
             best, med = t[0], t[len(t) // 2]
             mean = {k: sum(share[k] for _, share in runs) / len(runs) for k in runs[0][1]}
             name = kernel if kernel != "amx" else f"{kernel} pf {way[0]} ov {way[1]}"
-            print(f"{name:12s} lag {way[2]}  best {best * 1e3:7.1f} ms  median {med * 1e3:7.1f} ms  "
+            print(f"{name:12s} lag {way[2]} {way[3]:7s}  best {best * 1e3:7.1f} ms  median {med * 1e3:7.1f} ms  "
                   f"{gb / best:6.1f} GB/s ({gb / best / roof:4.0%} of the roof)  {flop / best / 1e12:5.2f} TFLOP/s  "
                   f"waiting {mean['waiting']:4.1%}  idle at the end {mean['end']:4.1%}  |  prep {mean['prep']:4.1%}  "
                   f"gate/up {mean['gate_up']:4.1%}  SiLU {mean['silu']:4.1%}  down {mean['down']:4.1%}  "

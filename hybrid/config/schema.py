@@ -127,7 +127,7 @@ class CpuPolicy:
     kernel: Optional[str] = None  # ISA: null (HYBRID_CPU_KERNEL, else the best) | amx | avx512_bf16 | avx512 | avx2 | generic
     moe_backend: str = "native"  # routed experts: native (the C++ CPU kernels) | torch (reference path)
     gemm_tile_tokens: int = 64  # tokens per expert from which FP8 tiles are converted once and reused
-    amx_min_tokens: int = 8  # kernel amx: tokens per expert from which AMX tiles run (H200 host: AVX-512 ahead at 4)
+    amx_min_tokens: int = 4  # kernel amx: tokens per expert from which AMX tiles run (H200 host: AMX ahead from 4)
     deferred_experts: int = 0  # experts deferred to overlap the next layer (changes outputs slightly)
     lm_head: str = "bf16"  # lm_head without a GPU: bf16 (as published) | fp8 (quantised at load; changes logits)
 

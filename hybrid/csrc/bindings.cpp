@@ -31,6 +31,8 @@ PYBIND11_MODULE(_native, m) {
         "multiply (true, the default) or after them");
   m.def("set_moe_lag_rounds", &set_moe_lag_rounds, "MoE layer: rounds of tasks (one per thread) an expert's down "
         "tasks are queued behind its gate/up tasks (default 2)");
+  m.def("set_moe_longest_first", &set_moe_longest_first, "MoE layer: experts' tasks queued by token count, most "
+        "first (true, the default), or in expert order");
   m.def("set_avx2_stream", &set_avx2_stream, "the AVX2 kernel's conversion of streaming FP8 rows: fp16 or registers");
   m.def("avx2_stream", &avx2_stream, "the AVX2 kernel's conversion of streaming FP8 rows in use");
   m.def("selected_isa", &selected_isa, "the kernel variant a name resolves to on this CPU");

@@ -67,9 +67,9 @@ struct Tunables {
   // for every token; below it, weights are converted as they stream by (shared across up to 4 tokens).
   int64_t tile_min_m = 64;
   // Variant amx: from this many tokens on, an FP8 GEMM runs on AMX tiles; below, on the AVX-512 kernel.
-  // 8 is a first guess, to be measured on an AMX CPU (bench=kernels, both variants; at T = 512, top-8 of 256
-  // experts, an expert gets 16 tokens on average, at T = 128 four).
-  int64_t amx_min_m = 8;
+  // H200 test machine's Xeon, one layer of 256 experts, 16 threads: AMX ahead at 4 tokens per expert (108 against
+  // 153 ms), a tie at 3, AVX-512 ahead at 2 (docs/perf-notes.md, V1-V2). policy.cpu.amx_min_tokens sets it.
+  int64_t amx_min_m = 4;
   // Variant amx: where each FP8 load's prefetch into L2 points: -1 = the same spot of the next 32-row group (whose
   // bytes then arrive while this group's tiles multiply), 0 = no prefetch (the hardware prefetchers alone),
   // n > 0 = n bytes further along the same row.
@@ -80,6 +80,9 @@ struct Tunables {
   // MoE layer: how many rounds of tasks (one per thread) an expert's down tasks are queued behind its gate/up
   // tasks (moe.cpp's schedule).
   int64_t moe_lag_rounds = 2;
+  // MoE layer: experts' tasks queued by token count, most first (true), or in expert order (false). The layer's
+  // last tasks are then the cheapest, so the threads run out of work closer together (moe.cpp's schedule).
+  bool moe_longest_first = true;
   // AVX2 kernel, 1-4 tokens: FP8 rows converted to FP16 in a small buffer (true) or to fp32 in registers, which
   // turns subnormal codes into fp32 subnormals (false: ~1.2x faster where FMAs take those at full speed, ~17x
   // slower where each takes a microcode assist). Default: registers on CPUs known to take them at full speed.

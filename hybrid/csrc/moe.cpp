@@ -277,13 +277,22 @@ void MoELayer::schedule(const std::string& isa, int participants) {
   const int64_t per_expert_tasks = (I_ + gu_chunk - 1) / gu_chunk + (D_ + d_chunk - 1) / d_chunk;
   const int64_t rounds = tunables().moe_lag_rounds * p.threads;
   const int32_t lag = int32_t(1 + (rounds + per_expert_tasks - 1) / per_expert_tasks);
-  for (int32_t e = 0; e < n_used; ++e) {
+  // The experts in the order their tasks are queued: by token count, most first (tunables().moe_longest_first), so
+  // that the layer ends on its cheapest tasks and the threads run out of work closer together. Under random routing
+  // (T = 512: 8-27 tokens per expert, an expert with 17 or more paying a second AMX token tile) the order of the
+  // ids left the threads waiting and idle at the end ~10 % of the layer on the H200 test machine's Xeon (V1).
+  std::vector<int32_t> order(n_used);
+  for (int32_t e = 0; e < n_used; ++e) order[e] = e;
+  if (tunables().moe_longest_first)
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p.rows[a] > p.rows[b]; });
+  for (int32_t i = 0; i < n_used; ++i) {
+    const int32_t e = order[i];
     p.gu_left[e] = int((I_ + gu_chunk - 1) / gu_chunk);
     p.prep[e] = 0;
     push(e, 0, I_, gu_chunk);
-    if (e >= lag) push(e - lag, 1, D_, d_chunk);
+    if (i >= lag) push(order[i - lag], 1, D_, d_chunk);
   }
-  for (int64_t e = std::max<int64_t>(0, n_used - lag); e < n_used; ++e) push(int32_t(e), 1, D_, d_chunk);
+  for (int64_t i = std::max<int64_t>(0, n_used - lag); i < n_used; ++i) push(order[i], 1, D_, d_chunk);
   // Each (token, chunk) is summed by whoever finishes the last of its experts' down rows there: no barrier.
   // A token with no expert here (all computed elsewhere) is summed (to zeros) now.
   p.reduce_left.reset(new std::atomic<int>[p.T * p.n_chunks]);

@@ -20,7 +20,7 @@ class Plan:
     threads: int = 1
     cpu_kernel: str = "auto"  # the ISA variant the native kernels run (resolved: amx | avx512_bf16 | avx512 | avx2 | generic)
     cpu_gemm_tile_tokens: int = 64
-    cpu_amx_min_tokens: int = 8
+    cpu_amx_min_tokens: int = 4
     moe_backend: str = "native"
     cpu_lm_head: str = "bf16"  # lm_head's weights without a GPU: bf16 | fp8 (quantised at load)
     deferred_experts: int = 0

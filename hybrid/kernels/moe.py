@@ -112,3 +112,10 @@ def set_moe_lag_rounds(rounds: int) -> None:
     """How many rounds of tasks (one per thread) an expert's down tasks are queued behind its gate/up tasks (default
     2; 1 was the order before, for side-by-side timing). The order of tasks changes no result."""
     _native.set_moe_lag_rounds(rounds)
+
+
+def set_moe_longest_first(on: bool) -> None:
+    """Queue the experts' tasks by token count, most first (True, the default: the layer's last tasks are the
+    cheapest, so the threads run out of work closer together), or in expert order (False, the order before, for
+    side-by-side timing). The order of tasks changes no result."""
+    _native.set_moe_longest_first(bool(on))
