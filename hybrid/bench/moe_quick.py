@@ -7,8 +7,7 @@ T = 512 case of top-8 over 256 experts), or with `--routing random` that many on
 uniformly as bench=kernels draws them. Prints time, GB/s of expert bytes against the read roof measured in the
 same run, and TFLOP/s, per kernel variant. `--amx-prefetch=-1,0,512`: variant amx at each prefetch distance
 (set_amx_prefetch); `--amx-overlap=1,0`: with the next weight slab converted while the tiles multiply and without
-(set_amx_overlap); `--amx-c-overlap=1,0`: up to 16 tokens per expert, each weight slab's C tiles stored and
-scaled while the next slab's products run, and right after its own (set_amx_c_overlap); `--lag-rounds=2,1`: an expert's down tasks queued that many rounds of tasks behind its gate/up
+(set_amx_overlap); `--lag-rounds=2,1`: an expert's down tasks queued that many rounds of tasks behind its gate/up
 tasks (set_moe_lag_rounds); `--order=longest,ids`: the experts' tasks queued by token count, most first (the
 default), or by expert id (set_moe_longest_first); every combination is a way, the ways alternating within each repeat. Per way, the
 threads' time waiting for another's task and idle at the layer's end, and in each stage of the tasks (activations
@@ -27,7 +26,7 @@ import torch
 
 from hybrid.kernels import membw
 from hybrid.kernels.dispatch import available
-from hybrid.kernels.gemm import set_amx_c_overlap, set_amx_min_tokens, set_amx_overlap, set_amx_prefetch
+from hybrid.kernels.gemm import set_amx_min_tokens, set_amx_overlap, set_amx_prefetch
 from hybrid.kernels.moe import CpuMoE, set_moe_lag_rounds, set_moe_longest_first
 from hybrid.kernels.thread_pool import set_threads, threads
 
@@ -58,9 +57,6 @@ def main(argv=None) -> None:
                     "the row)")
     ap.add_argument("--amx-overlap", default="1", help="variant amx: 1 = the next slab converted while the tiles "
                     "multiply (the default), 0 = after them; comma-separated ways")
-    ap.add_argument("--amx-c-overlap", default="1", help="variant amx, up to 16 tokens per expert: 1 = each slab's "
-                    "C tiles stored and scaled while the next slab's products run (the default), 0 = right after "
-                    "its own; comma-separated ways")
     ap.add_argument("--lag-rounds", default="2", help="rounds of tasks (one per thread) an expert's down tasks are "
                     "queued behind its gate/up tasks (2: the default); comma-separated ways")
     ap.add_argument("--order", default="longest", help="the experts' tasks queued by token count, most first "
@@ -105,18 +101,17 @@ def main(argv=None) -> None:
             print(f"{kernel}: not on this CPU, skipped")
             continue
         op = CpuMoE(turn(w[0]), turn(w[1]), turn(w[2]), turn(s[0]), turn(s[1]), turn(s[2]), kernel=kernel)
-        amx = [(int(pf), int(ov), int(co)) for pf in a.amx_prefetch.split(",") for ov in a.amx_overlap.split(",")
-               for co in a.amx_c_overlap.split(",")] if kernel == "amx" else [(-1, 1, 1)]
-        ways = [(pf, ov, co, int(lag), order) for pf, ov, co in amx for lag in a.lag_rounds.split(",")
+        amx = [(int(pf), int(ov)) for pf in a.amx_prefetch.split(",") for ov in a.amx_overlap.split(",")] \
+            if kernel == "amx" else [(-1, 1)]
+        ways = [(pf, ov, int(lag), order) for pf, ov in amx for lag in a.lag_rounds.split(",")
                 for order in a.order.split(",")]
         ts: dict = {way: [] for way in ways}
         for r in range(a.repeats + 1):  # the first round warms up
             for way in ways:
                 set_amx_prefetch(way[0])
                 set_amx_overlap(bool(way[1]))
-                set_amx_c_overlap(bool(way[2]))
-                set_moe_lag_rounds(way[3])
-                set_moe_longest_first(way[4] == "longest")
+                set_moe_lag_rounds(way[2])
+                set_moe_longest_first(way[3] == "longest")
                 t0 = time.perf_counter()
                 op(x, ids, weights)
                 if r:
@@ -126,15 +121,14 @@ def main(argv=None) -> None:
                     ts[way].append((sec, share))
         set_amx_prefetch(-1)
         set_amx_overlap(True)
-        set_amx_c_overlap(True)
         set_moe_lag_rounds(2)
         set_moe_longest_first(True)
         for way, runs in ts.items():
             t = sorted(sec for sec, _ in runs)
             best, med = t[0], t[len(t) // 2]
             mean = {k: sum(share[k] for _, share in runs) / len(runs) for k in runs[0][1]}
-            name = kernel if kernel != "amx" else f"{kernel} pf {way[0]} ov {way[1]} co {way[2]}"
-            print(f"{name:12s} lag {way[3]} {way[4]:7s}  best {best * 1e3:7.1f} ms  median {med * 1e3:7.1f} ms  "
+            name = kernel if kernel != "amx" else f"{kernel} pf {way[0]} ov {way[1]}"
+            print(f"{name:12s} lag {way[2]} {way[3]:7s}  best {best * 1e3:7.1f} ms  median {med * 1e3:7.1f} ms  "
                   f"{gb / best:6.1f} GB/s ({gb / best / roof:4.0%} of the roof)  {flop / best / 1e12:5.2f} TFLOP/s  "
                   f"waiting {mean['waiting']:4.1%}  idle at the end {mean['end']:4.1%}  |  prep {mean['prep']:4.1%}  "
                   f"gate/up {mean['gate_up']:4.1%}  SiLU {mean['silu']:4.1%}  down {mean['down']:4.1%}  "

@@ -29,8 +29,6 @@ PYBIND11_MODULE(_native, m) {
         "(-1: the next 32-row group's same spot, 0: none)");
   m.def("set_amx_overlap", &set_amx_overlap, "variant amx: the next weight slab converted while this one's tiles "
         "multiply (true, the default) or after them");
-  m.def("set_amx_c_overlap", &set_amx_c_overlap, "variant amx, up to 16 tokens: each slab's C tiles stored and "
-        "scale-added while the next slab's products run (true, the default) or right after its own");
   m.def("set_moe_lag_rounds", &set_moe_lag_rounds, "MoE layer: rounds of tasks (one per thread) an expert's down "
         "tasks are queued behind its gate/up tasks (default 2)");
   m.def("set_moe_longest_first", &set_moe_longest_first, "MoE layer: experts' tasks queued by token count, most "

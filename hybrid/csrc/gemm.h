@@ -77,9 +77,6 @@ struct Tunables {
   // Variant amx: the next slab converted while this one's tiles multiply (true), or after them (false: convert,
   // then multiply, one slab at a time). The same products in the same order either way.
   bool amx_overlap = true;
-  // Variant amx, up to 16 tokens: slabs alternate between two sets of C tiles, each slab's C tiles stored and
-  // scale-added while the next slab's products run (true), or right after its own (false). The same sums.
-  bool amx_c_overlap = true;
   // MoE layer: how many rounds of tasks (one per thread) an expert's down tasks are queued behind its gate/up
   // tasks (moe.cpp's schedule).
   int64_t moe_lag_rounds = 2;

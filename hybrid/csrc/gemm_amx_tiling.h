@@ -41,42 +41,6 @@ void dot_tiles(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, i
   if constexpr (RT > 1 && TT > 1) Ops::template store<3>(c + 768, 64);
 }
 
-// One token tile's products into C set S (tiles S and 2 + S, for weight-row tiles 0 and 1; B in tile 6 + S), so
-// that the other set can be stored and scaled while they run (amx_rows, one token tile).
-template <class Ops, int RT, int S, class Work>
-void set_products(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t chunks, Work& work) {
-  Ops::template zero<S>();
-  if constexpr (RT > 1) Ops::template zero<2 + S>();
-  for (int64_t j = 0; j < chunks; ++j) {
-    Ops::template load<4>(a + j * kAmxLanes, lda * 2);
-    if constexpr (RT > 1) Ops::template load<5>(a + kAmxTokens * lda + j * kAmxLanes, lda * 2);
-    Ops::template load<6 + S>(b + j * kAmxLanes * kAmxTokens, 64);
-    Ops::template dp<S>();
-    if constexpr (RT > 1) Ops::template dp<2 + S>();
-    work(j);
-  }
-}
-
-template <class Ops, class Work>
-void set_products(int rt, int set, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t chunks, Work& work) {
-  if (rt == 2 && set == 0) set_products<Ops, 2, 0>(a, lda, b, chunks, work);
-  else if (rt == 2) set_products<Ops, 2, 1>(a, lda, b, chunks, work);
-  else if (set == 0) set_products<Ops, 1, 0>(a, lda, b, chunks, work);
-  else set_products<Ops, 1, 1>(a, lda, b, chunks, work);
-}
-
-// C set S's tiles to c + 256 * tile.
-template <class Ops>
-void store_set(int rt, int set, float* c) {
-  if (set == 0) {
-    Ops::template store<0>(c, 64);
-    if (rt > 1) Ops::template store<2>(c + 512, 64);
-  } else {
-    Ops::template store<1>(c + 256, 64);
-    if (rt > 1) Ops::template store<3>(c + 768, 64);
-  }
-}
-
 template <class Ops, class Work>
 void dot_tiles(int rt, int tt, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t chunks,
                float* c, Work& work) {
@@ -117,10 +81,6 @@ void amx_rows(const GemmProblem& p, const uint16_t* xv, int64_t n0, int64_t n1, 
     if (r0 < r1) Ops::convert(p, g + r0, r1 - r0, s0 / kChunk, std::min(kp, s0 + slab) / kChunk, into + r0 * ld, ld);
   };
   const bool overlap = tunables().amx_overlap;
-  // With one token tile, C tiles 1 and 3 are free: slabs alternate between C sets {0, 2} and {1, 3}, and a slab's
-  // C tiles are stored and scale-added after the next slab's products are issued, so the tile unit does not wait
-  // for that round trip (tunables().amx_c_overlap).
-  const bool alternate = tunables().amx_c_overlap && p.M <= kAmxTokens;
   convert(n0, 0, buf, 0, kAmxRows);
   int h = 0;  // the half that holds the slab being multiplied
   for (int64_t g = n0; g < n1; g += kAmxRows) {
@@ -128,16 +88,7 @@ void amx_rows(const GemmProblem& p, const uint16_t* xv, int64_t n0, int64_t n1, 
     const int rt = rows > kAmxTokens ? 2 : 1;
     const float* srow[2] = {p.scale + (g / kBlock) * p.lds, p.scale + ((g + (rt - 1) * kAmxTokens) / kBlock) * p.lds};
     std::fill(acc, acc + groups * 1024, 0.f);
-    // set's tiles (the products of the slab at s0, token tile 0) scaled by that block's scales and added to acc
-    auto finish = [&](int set, int64_t s0) {
-      store_set<Ops>(rt, set, c);
-      for (int r = 0; r < rt; ++r) {
-        const float s = srow[r][s0 / kBlock];
-        for (int i = 0; i < 256; ++i) acc[2 * r * 256 + i] += s * c[(2 * r + set) * 256 + i];
-      }
-    };
-    int64_t si = 0;  // the slab's index in the group
-    for (int64_t s0 = 0; s0 < kp; s0 += slab, ++si) {
+    for (int64_t s0 = 0; s0 < kp; s0 += slab) {
       const int64_t chunks = (std::min(kp, s0 + slab) - s0) / kAmxLanes;
       // the next slab: its rows spread over this slab's first token group's chunks, the rest after them
       const int64_t ng = s0 + slab < kp ? g : g + kAmxRows, ns0 = s0 + slab < kp ? s0 + slab : 0;
@@ -151,14 +102,6 @@ void amx_rows(const GemmProblem& p, const uint16_t* xv, int64_t n0, int64_t n1, 
         done = std::max(done, upto);
       };
       auto nothing = [](int64_t) {};
-      if (alternate) {  // one token tile: this slab's products in set si % 2, the last slab's C finished under them
-        const int set = int(si % 2);
-        set_products<Ops>(rt, set, now, ld, xv + s0 * kAmxTokens, chunks, convert_next);
-        if (si > 0) finish(1 - set, s0 - slab);
-        if (done < kAmxRows) convert(ng, ns0, next, done, kAmxRows);
-        h = 1 - h;
-        continue;
-      }
       for (int64_t m0 = 0; m0 < p.M; m0 += 32) {
         const int tt = p.M - m0 > kAmxTokens ? 2 : 1;
         float* a = acc + (m0 / 32) * 1024;
@@ -174,7 +117,6 @@ void amx_rows(const GemmProblem& p, const uint16_t* xv, int64_t n0, int64_t n1, 
       if (done < kAmxRows) convert(ng, ns0, next, done, kAmxRows);
       h = 1 - h;
     }
-    if (alternate) finish(int((si - 1) % 2), (si - 1) * slab);
     store_rows(p, g, rows, acc);
   }
 }

@@ -41,13 +41,6 @@ def set_amx_overlap(on: bool) -> None:
     _native.set_amx_overlap(bool(on))
 
 
-def set_amx_c_overlap(on: bool) -> None:
-    """Variant amx, up to 16 tokens: slabs alternate between two sets of C tiles, each slab's C tiles stored and
-    scale-added while the next slab's products run (True, the default), or right after its own (False: the order
-    before, for side-by-side timing). The same sums in the same order: the same bits."""
-    _native.set_amx_c_overlap(bool(on))
-
-
 def set_avx2_stream(how: str) -> None:
     """The AVX2 kernel's conversion of streaming FP8 rows (1-4 tokens): "registers" (fp32 in registers; subnormal
     codes become fp32 subnormals: fast where FMAs take those at full speed, AMD Zen) or "fp16" (through a small
