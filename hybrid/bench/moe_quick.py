@@ -9,9 +9,10 @@ same run, and TFLOP/s, per kernel variant. `--amx-prefetch=-1,0,512`: variant am
 (set_amx_prefetch); `--amx-overlap=1,0`: with the next weight slab converted while the tiles multiply and without
 (set_amx_overlap); `--lag-rounds=2,1`: an expert's down tasks queued that many rounds of tasks behind its gate/up
 tasks (set_moe_lag_rounds); `--order=longest,ids`: the experts' tasks queued by token count, most first (the
-default), or by expert id (set_moe_longest_first); every combination is a way, the ways alternating within each repeat. Per way, the
-threads' time waiting for another's task and idle at the layer's end, and in each stage of the tasks (activations
-packed, the gate/up GEMMs, SiLU, the down GEMM, the weighted sums: CpuMoE.stage_s), as shares of threads x time.
+default), or by expert id (set_moe_longest_first); every combination is a way, the ways alternating within each
+repeat. Per way, the threads' time waiting for another's task and idle at the layer's end, and in each stage of
+the tasks (activations packed, the gate/up GEMMs, SiLU, the down GEMM, the weighted sums: CpuMoE.stage_s), as
+shares of threads x time.
 
 `--lanes N`: decode's two-request step instead, N times per way, side by side: one call of two tokens; two one-token
 calls in turn (each joined before the next is submitted: a job's tail and the next one's start do not overlap); two

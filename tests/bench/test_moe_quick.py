@@ -1,5 +1,7 @@
 import re
 
+import pytest
+
 from hybrid.bench import moe_quick
 
 
@@ -41,3 +43,14 @@ def test_random_routing_varies_the_tokens_per_expert_around_the_mean(capsys):
     assert lo <= 4 <= hi and lo < hi, out  # 64 picks over 16 experts, drawn with the run's seed
     moe_quick.main(args)
     assert "4 tokens per expert (balanced: 4-4)" in capsys.readouterr().out
+
+
+def test_order_ways_each_get_a_line_and_a_bad_way_is_named(capsys):
+    args = ["--experts", "8", "--distinct", "2", "--tokens-per-expert", "2", "--top-k", "4", "--threads", "2",
+            "--kernels", "generic", "--repeats", "1", "--roof-gb", "0.1", "--routing", "random"]
+    moe_quick.main(args + ["--order", "longest,ids"])
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("generic")]
+    assert [re.search(r"lag 2 (\w+) ", x).group(1) for x in lines] == ["longest", "ids"], lines
+    with pytest.raises(SystemExit):
+        moe_quick.main(args + ["--order", "longest,shortest"])
+    assert "--order: ways are 'longest' and 'ids', not 'longest,shortest'" in capsys.readouterr().err
