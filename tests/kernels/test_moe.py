@@ -250,8 +250,8 @@ def test_submit_wait_equals_call(variant, wtype):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_task_order_changes_no_result(variant):
     """An expert's down tasks queued 0, 1 or 2 rounds of tasks behind its gate/up tasks, the experts taken by token
-    count (most first) or by id: the same bits at every thread count; the threads' seconds spent waiting, idle at the end and in the tasks' stages lie within threads x
-    the call."""
+    count (most first) or by id: the same bits at every thread count; the threads' seconds spent waiting, idle at
+    the end and in the tasks' stages lie within threads x the call."""
     D, I = DIMS[1]
     op = op_for("fp8", D, I, variant)
     before = threads()
