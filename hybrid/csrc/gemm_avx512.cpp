@@ -4,7 +4,7 @@
 // tables (vpermi2b: the high and the low byte of the BF16 value), the sign bit is merged with one vpternlog, and
 // two byte unpacks form the 16-bit lanes. The unpacks leave the 64 weights in a fixed lane order, so activations
 // are prepared once per call in that same order. Products go through vdpbf16ps into fp32 block accumulators; each
-// 128-wide K block's scale is applied once, with one FMA per accumulator ("post-scaling").
+// 128-wide K block's scale is applied once ("post-scaling"), to four accumulators' lane sums at a time (QuadSums).
 //
 // Variant avx512 (AVX-512 F/BW/VL/VBMI without BF16 instructions) compiles this same file a second time, from
 // gemm_avx512_nobf16.cpp with HYBRID_AVX512_NO_BF16 set and without -mavx512bf16: vdpbf16ps is emulated with two
@@ -120,53 +120,105 @@ const Tables& tables() {
   return t;
 }
 
+// The scaled sums of a tile's N outputs: add(blk, s) takes one K block's accumulators (blk[i] for output i, 16
+// lanes of partial sums each) and that block's scale; sums(out) writes the N outputs at the end. Each output's sum
+// takes the same operations whatever the tile's shape, so its bits do not depend on the tokens and rows it shares a
+// tile with. (Both keep the partial sums in registers: as members of a struct that also held an array, GCC put them
+// in memory, 8 % slower.)
+//
+// QuadSums (avx512_bf16): each accumulator's lanes are summed in pairs within each 128-bit lane (lanes 0+2 and 1+3,
+// then the two), four accumulators to a register, before the scale: N/4 FMAs a block with unpacks and adds, where
+// vdpbf16ps shares its pipes with FMAs and stores but not with those (a zmm store costs ~1.5 of its cycles). AMD
+// Zen 4, 2 cores, one layer of 32 experts side by side with LaneSums: 1.15-1.18x faster at 8-32 tokens per expert,
+// the same at 1-4 (docs/perf-notes.md).
+template <int N>
+struct QuadSums {
+  static constexpr int kBlk = (N + 3) / 4 * 4;  // accumulators, padded with zeros to whole registers of sums
+  __m512 acc[kBlk / 4];
+  QuadSums() {
+    for (auto& a : acc) a = _mm512_setzero_ps();
+  }
+  void add(const __m512 (&blk)[kBlk], __m512 s) {
+    for (int k = 0; k < kBlk / 4; ++k) {
+      __m512 t[2];
+      for (int j = 0; j < 2; ++j) {
+        const __m512 a = blk[4 * k + 2 * j], b = blk[4 * k + 2 * j + 1];
+        t[j] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
+      }
+      const __m512d lo = _mm512_castps_pd(t[0]), hi = _mm512_castps_pd(t[1]);
+      const __m512 q = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
+                                     _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));  // 4 sums per 128-bit lane
+      acc[k] = _mm512_fmadd_ps(q, s, acc[k]);
+    }
+  }
+  void sums(float (&out)[N]) const {
+    alignas(64) float part[kBlk / 4][16];  // part[k][4 * lane + t]: 128-bit lane `lane`'s share of sum 4k + t
+    for (int k = 0; k < kBlk / 4; ++k) _mm512_store_ps(part[k], acc[k]);
+    for (int i = 0; i < N; ++i) {
+      const float* q = part[i / 4] + i % 4;
+      out[i] = (q[0] + q[4]) + (q[8] + q[12]);
+    }
+  }
+};
+
+// LaneSums (variant avx512, vdpbf16ps emulated with two FMAs): one FMA per accumulator and block, the lanes summed
+// at the end; in registers up to 8 outputs, in an L1-resident array beyond. FMAs bound that variant, yet QuadSums
+// was 8-12 % slower in it (Zen 4, the same layer), so it keeps these.
+template <int N>
+struct LaneSums {
+  static constexpr int kBlk = N;
+  static constexpr bool kInRegs = N <= 8;
+  __m512 acc[kInRegs ? N : 1];
+  alignas(64) float mem[kInRegs ? 1 : N * 16];
+  LaneSums() {
+    if constexpr (kInRegs) {
+      for (auto& a : acc) a = _mm512_setzero_ps();
+    } else {
+      for (int i = 0; i < N; ++i) _mm512_store_ps(mem + 16 * i, _mm512_setzero_ps());
+    }
+  }
+  void add(const __m512 (&blk)[kBlk], __m512 s) {
+    for (int i = 0; i < N; ++i) {
+      if constexpr (kInRegs) acc[i] = _mm512_fmadd_ps(blk[i], s, acc[i]);
+      else _mm512_store_ps(mem + 16 * i, _mm512_fmadd_ps(blk[i], s, _mm512_load_ps(mem + 16 * i)));
+    }
+  }
+  void sums(float (&out)[N]) const {
+    for (int i = 0; i < N; ++i) out[i] = _mm512_reduce_add_ps(kInRegs ? acc[i] : _mm512_load_ps(mem + 16 * i));
+  }
+};
+
+template <int N>
+using Sums = std::conditional_t<HYBRID_AVX512_NO_BF16, LaneSums<N>, QuadSums<N>>;
+
 // Y[m0:m0+MT, n:n+R] for one tile: R rows share one scale row (they lie in one 128-row block).
 template <int R, int MT, class Load>
 void tile(const Load& L, const uint16_t* xp, int64_t ldxp, int64_t K, const float* srow, float* y, int64_t ldy) {
-  // R x MT block accumulators in registers; the scaled sums too where they fit beside them (up to 8 of each), in an
-  // L1-resident array where they do not (16 block accumulators: 2 rows x 8 tokens)
-  constexpr bool kInRegs = R * MT <= 8;
-  alignas(64) float mem[kInRegs ? 1 : R * MT * 16];
-  __m512 acc[kInRegs ? R : 1][kInRegs ? MT : 1];
-  if constexpr (kInRegs) {
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
-  } else {
-    for (int i = 0; i < R * MT; ++i) _mm512_store_ps(mem + 16 * i, _mm512_setzero_ps());
-  }
+  Sums<R * MT> sums;
+  __m512 blk[Sums<R * MT>::kBlk];  // one K block's accumulators, blk[r * MT + m]
+  auto chunk = [&](int64_t c) {    // 64 columns
+    __m512i wa[R], wb[R];
+    for (int r = 0; r < R; ++r) L.load(r, c, wa[r], wb[r]);
+    for (int m = 0; m < MT; ++m) {
+      const __m512i xa = _mm512_loadu_si512(xp + m * ldxp + c * kChunk);
+      const __m512i xb = _mm512_loadu_si512(xp + m * ldxp + c * kChunk + 32);
+      for (int r = 0; r < R; ++r) {
+        blk[r * MT + m] = dot(blk[r * MT + m], wa[r], xa);
+        blk[r * MT + m] = dot(blk[r * MT + m], wb[r], xb);
+      }
+    }
+  };
   const int64_t n_chunks = (K + kChunk - 1) / kChunk;
   for (int64_t kb = 0; kb * kBlock < K; ++kb) {
-    __m512 blk[R][MT];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MT; ++m) blk[r][m] = _mm512_setzero_ps();
-    for (int64_t c = 2 * kb; c < lo(2 * kb + 2, n_chunks); ++c) {
-      __m512i wa[R], wb[R];
-      for (int r = 0; r < R; ++r) L.load(r, c, wa[r], wb[r]);
-      for (int m = 0; m < MT; ++m) {
-        const __m512i xa = _mm512_loadu_si512(xp + m * ldxp + c * kChunk);
-        const __m512i xb = _mm512_loadu_si512(xp + m * ldxp + c * kChunk + 32);
-        for (int r = 0; r < R; ++r) {
-          blk[r][m] = dot(blk[r][m], wa[r], xa);
-          blk[r][m] = dot(blk[r][m], wb[r], xb);
-        }
-      }
-    }
-    const __m512 s = _mm512_set1_ps(srow ? srow[kb] : 1.0f);
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MT; ++m) {
-        if constexpr (kInRegs) {
-          acc[r][m] = _mm512_fmadd_ps(blk[r][m], s, acc[r][m]);
-        } else {
-          float* a = mem + 16 * (r * MT + m);
-          _mm512_store_ps(a, _mm512_fmadd_ps(blk[r][m], s, _mm512_load_ps(a)));
-        }
-      }
+    for (auto& b : blk) b = _mm512_setzero_ps();
+    chunk(2 * kb);
+    if (2 * kb + 1 < n_chunks) chunk(2 * kb + 1);
+    sums.add(blk, _mm512_set1_ps(srow ? srow[kb] : 1.0f));
   }
+  float out[R * MT];
+  sums.sums(out);
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) {
-      if constexpr (kInRegs) y[m * ldy + r] = _mm512_reduce_add_ps(acc[r][m]);
-      else y[m * ldy + r] = _mm512_reduce_add_ps(_mm512_load_ps(mem + 16 * (r * MT + m)));
-    }
+    for (int m = 0; m < MT; ++m) y[m * ldy + r] = out[r * MT + m];
 }
 
 // All tokens for rows [n0, n1) with loader factory `at(n)` giving a loader whose row 0 is row n.
@@ -271,7 +323,8 @@ void HYBRID_AVX512_FN(gemm_rows)(const GemmProblem& p, const uint16_t* xp, int64
 #else
     // 8 tokens per pass over each converted weight from M = 8 on: half the conversions per product. AMD Zen 4 (dev
     // machine, 2 cores; one MoE layer of 32 experts, 8-32 tokens each, the two ways side by side, the same bits):
-    // 3-6 % faster than 4 per pass; the emulated-BF16 variant (two FMAs a product) was 5-9 % slower, so keeps 4.
+    // 3-6 % faster than 4 per pass with LaneSums, 10-13 % with QuadSums (gate/up GEMMs of 8-32 tokens); the
+    // emulated-BF16 variant (two FMAs a product) was 5-9 % slower, so keeps 4.
     else if (p.M < 8) rows<2, 4>(p, xp, n0, n1, fp8_rows(2));
     else rows<2, 8>(p, xp, n0, n1, fp8_rows(2));
 #endif
@@ -287,7 +340,9 @@ void HYBRID_AVX512_FN(gemm_rows)(const GemmProblem& p, const uint16_t* xp, int64
     // ~1.2-1.7x at M = 512; a tile kept in FP32 (no odd/even split in the loop, twice the scratch) was no faster.
     rows_tokens_outer<3, 4>(p, xp, g, g + count, tile_rows);
 #else
-    rows<2, 4>(p, xp, g, g + count, tile_rows);
+    // Zen 4, 2 cores, gate/up GEMMs of 64 and 128 tokens: 8 tokens per pass over the tile 1.16-1.36x faster than 4
+    // (as fast as streaming; the tile spares the conversions).
+    rows<2, 8>(p, xp, g, g + count, tile_rows);
 #endif
   }
 }
