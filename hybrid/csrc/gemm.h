@@ -64,7 +64,8 @@ static inline int64_t tile_buf_elems(int64_t K) { return kTileRows * padded_k(K)
 // Kernel tunables: one small record the kernels read and the tuner sweeps.
 struct Tunables {
   // From this many tokens on, the AVX-512 FP8 path converts each 16-row weight tile to BF16 once and reuses it
-  // for every token; below it, weights are converted as they stream by (shared across up to 4 tokens).
+  // for every token; below it, weights are converted as they stream by (shared across up to 8 tokens on the
+  // AVX-512 BF16 kernel, 4 on the others).
   int64_t tile_min_m = 64;
   // Variant amx: from this many tokens on, an FP8 GEMM runs on AMX tiles; below, on the AVX-512 kernel.
   // H200 test machine's Xeon, one layer of 256 experts, 16 threads: AMX ahead at 4 tokens per expert (108 against
