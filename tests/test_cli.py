@@ -64,3 +64,17 @@ def test_bad_input_gets_one_clear_line(runs, tmp_path):
         "error: unknown config key policy.kv.max_contxt (known: max_batch, max_context)"]
     p = hybrid("policy.max_context=128", tmp_path=runs)  # a flat key of before: its path now
     assert p.returncode == 2 and "now policy.kv.max_context" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_kernel_bench_writes_its_records_and_a_plot(runs):
+    """bench=kernels on small shapes: every record beside its roof reading, the JSON and the PNG beside it."""
+    p = hybrid("mode=bench", "bench=kernels", "output=json", "bench.hidden=256", "bench.inter=128",
+               "bench.experts=8", "bench.top_k=2", "bench.ms=[1,4]", "bench.moe_tokens=[1,4]", "bench.pool_gb=0.02",
+               "bench.repeats=1", "bench.torch_peers=false", "tracking.enabled=false", tmp_path=runs)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    names = [r["name"] for r in out["records"]]
+    assert names.count("fp8_gemm.gate_up") == 2 and names.count("moe_layer") == 2 and names[0] == "read_roof"
+    assert all(r["bound"] > 0 for r in out["records"][1:])
+    assert out["plot"].endswith(".png") and open(out["plot"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.exists(out["path"])

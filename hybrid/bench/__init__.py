@@ -65,6 +65,10 @@ def plot_bench(name: str, records: list[Record], json_path) -> Optional[Path]:
         from hybrid.bench.concurrency import plot
 
         return plot(records, png)
+    if name == "kernels":
+        from hybrid.bench.kernels import plot
+
+        return plot(records, png)
     return None
 
 

@@ -17,7 +17,8 @@ import functools
 import math
 import sys
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -203,3 +204,73 @@ def run(settings) -> list[Record]:
         "min": min(roof.readings), "readings": len(roof.readings), "buffer_gb": pool_gb, "streams": roof.streams,
         "by_streams": {s: round(v, 1) for s, v in roof.calibration.items()}})
     return [roof_rec] + records
+
+
+def plot(records: list[Record], png: Path) -> Optional[Path]:
+    """The run at a glance, log-log against tokens: the GEMMs' TFLOP/s per kernel and shape (torch's paths beside
+    them) under the FP8 memory roof (2 FLOP per weight byte and token at the run's best read: a kernel on the line is
+    memory-bound, one below it at large M compute-bound); and the MoE layer's time per kernel over the time its
+    experts' bytes take at each record's roof (the bound). None when the run has neither."""
+    gemms = [r for r in records if r.unit == "GB/s" and r.m and "tflops" in r.extra
+             and (r.name.startswith("fp8_gemm.") or r.name.startswith("torch_"))]
+    layers = [r for r in records if r.name == "moe_layer" and r.m]
+    if not gemms and not layers:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    panels = [p for p, recs in (("gemm", gemms), ("moe", layers)) if recs]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if panel == "gemm":
+            _gemm_panel(ax, gemms, next((r.value for r in records if r.name == "read_roof"), None))
+        else:
+            _moe_panel(ax, layers)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 1, 2, 4 ... tokens, not powers
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
+def _series(recs: list[Record], key: Callable[[Record], str], y: Callable[[Record], float]) -> dict:
+    out: dict[str, list] = {}
+    for r in sorted(recs, key=lambda r: r.m):
+        out.setdefault(key(r), []).append((r.m, y(r)))
+    return out
+
+
+def _gemm_panel(ax, recs: list[Record], roof_gbs: Optional[float]) -> None:
+    def label(r: Record) -> str:  # ours by shape and kernel, torch's paths by name
+        return f"{r.name.removeprefix('fp8_gemm.')}, {r.extra['kernel']}" if "kernel" in r.extra else r.name
+
+    for name, points in _series(recs, label, lambda r: r.extra["tflops"]).items():
+        ours = not name.startswith("torch_")
+        ax.plot(*zip(*points), marker="o" if ours else "x", linestyle="-" if ours else ":", label=name)
+    if roof_gbs:
+        ms = sorted({r.m for r in recs})
+        ax.plot(ms, [2 * m * roof_gbs / 1e3 for m in ms], linestyle="--", color="grey",
+                label=f"FP8 memory roof ({roof_gbs:.0f} GB/s, best reading)")
+    ax.set(xlabel="tokens M", ylabel="TFLOP/s", title="FP8 GEMMs (cold weights)")
+
+
+def _moe_panel(ax, recs: list[Record]) -> None:
+    for kernel, points in _series(recs, lambda r: r.extra.get("kernel", "auto"), lambda r: r.extra["time_ms"]).items():
+        ax.plot(*zip(*points), marker="o", label=f"MoE layer, {kernel}")
+    bound = [r for r in recs if r.bound and "expert_mb_read" in r.extra]
+    if bound:
+        fastest: dict[int, float] = {}  # per T, the highest roof reading beside any kernel's record
+        for r in bound:
+            fastest[r.m] = min(fastest.get(r.m, math.inf), r.extra["expert_mb_read"] / r.bound)
+        points = sorted(fastest.items())
+        ax.plot(*zip(*points), linestyle="--", color="grey", label="experts' bytes at the roof (bound)")
+    r = recs[0].extra
+    ax.set(xlabel="tokens T", ylabel="ms per layer",
+           title=f"MoE layer ({r.get('experts', '?')} experts, top-{r.get('top_k', '?')})")

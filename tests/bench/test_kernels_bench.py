@@ -1,4 +1,4 @@
-"""bench=kernels' MoE records on a small layer: the figures each record carries, within what they can be."""
+"""bench=kernels on a small layer: the figures each MoE record carries, within what they can be; the plot."""
 from __future__ import annotations
 
 import numpy as np
@@ -29,3 +29,37 @@ def test_moe_records_carry_time_and_the_threads_shares():
         shares = [n[k] for k in ("waiting", "end_idle", "prep", "gate_up", "silu", "down", "sums")]
         assert all(0 <= s <= 1 for s in shares) and sum(shares) <= 1.01, n
         assert n["gate_up"] > 0 and n["down"] > 0, n
+
+
+def test_plot_draws_each_kernel_beside_its_bound(tmp_path, monkeypatch):
+    """The PNG's lines: every kernel's GEMM TFLOP/s (torch's paths beside them) under the FP8 memory roof of the
+    run's best reading, and every kernel's MoE layer time over its experts' bytes at the highest roof beside it."""
+    import matplotlib.axes
+
+    from hybrid.bench import plot_bench
+    from hybrid.bench.records import Record
+
+    lines = {}
+    real_plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, x, y, *a, **k: lines.setdefault(k["label"], (list(x), list(y)))
+                        and real_plot(self, x, y, *a, **k))
+    kernels_here = available()[:2]
+    cfg = BenchConfig(hidden=256, inter=128, moe_experts=8, top_k=2, moe_tokens=[1, 4], repeats=1)
+    layers = kernels._moe_records(cfg, FixedRoof(), kernels_here, np.random.default_rng(0))
+    gemms = [Record("fp8_gemm.down", 20.0 * m, "GB/s", 40.0, m, 256, 128, "fp8",
+                    {"tflops": 0.04 * m, "kernel": kernels_here[0]}) for m in (1, 2, 8)]
+    gemms += [Record("torch_bf16.down", 10.0, "GB/s", 40.0, m, 256, 128, "bf16", {"tflops": 0.02 * m})
+              for m in (1, 2, 8)]
+    records = [Record("read_roof", 50.0, "GB/s")] + gemms + layers
+    png = plot_bench("kernels", records, tmp_path / "kernels-x.json")
+    assert png == tmp_path / "kernels-x.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert lines[f"down, {kernels_here[0]}"] == ([1, 2, 8], [0.04, 0.08, 0.32])
+    assert lines["torch_bf16.down"] == ([1, 2, 8], [0.02, 0.04, 0.16])
+    assert lines["FP8 memory roof (50 GB/s, best reading)"] == ([1, 2, 8], [0.1, 0.2, 0.8])
+    for kernel in kernels_here:
+        assert lines[f"MoE layer, {kernel}"] == (
+            [1, 4], [r.extra["time_ms"] for r in layers if r.extra["kernel"] == kernel])
+    fastest = [min(r.extra["expert_mb_read"] / r.bound for r in layers if r.m == t) for t in (1, 4)]
+    assert lines["experts' bytes at the roof (bound)"] == ([1, 4], fastest)
+    assert plot_bench("kernels", [Record("read_roof", 50.0, "GB/s")], tmp_path / "none.json") is None
