@@ -28,7 +28,7 @@ def run(cfg: DictConfig) -> dict:
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
     threads = cpu_threads(s.policy, hw)
-    configure_cpu(threads, s.policy.cpu.gemm_tile_tokens, s.policy.cpu.amx_min_tokens)  # benches without an engine too
+    configure_cpu(threads, s.policy)  # benches without an engine too
     if s.mode == Mode.serve:
         return serve(s, hw)  # runs until SIGTERM/Ctrl-C; a server's life is not one tracked run
     if s.mode == Mode.bench:

@@ -27,7 +27,7 @@ import torch
 
 from hybrid.kernels import membw
 from hybrid.kernels.dispatch import available
-from hybrid.kernels.gemm import set_amx_min_tokens, set_amx_overlap, set_amx_prefetch
+from hybrid.kernels.gemm import AMX_MIN_TOKENS, set_amx_min_tokens, set_amx_overlap, set_amx_prefetch
 from hybrid.kernels.moe import CpuMoE, set_moe_lag_rounds, set_moe_longest_first
 from hybrid.kernels.thread_pool import set_threads, threads
 
@@ -51,8 +51,8 @@ def main(argv=None) -> None:
     ap.add_argument("--routing", choices=("balanced", "random"), default="balanced",
                     help="balanced: exactly tokens-per-expert tokens on every expert; random: each token's top-k "
                          "drawn uniformly (the counts vary around tokens-per-expert, as in bench=kernels)")
-    ap.add_argument("--amx-min-tokens", type=int, default=None, help="tokens per expert from which the amx variant "
-                    "runs AMX tiles (default: policy.cpu.amx_min_tokens's default)")
+    ap.add_argument("--amx-min-tokens", type=int, default=AMX_MIN_TOKENS, help="tokens per expert from which the "
+                    f"amx variant runs AMX tiles (default: {AMX_MIN_TOKENS}, policy.cpu.amx_min_tokens' null)")
     ap.add_argument("--amx-prefetch", default="-1", help="variant amx: bytes ahead prefetched into L2, comma-"
                     "separated ways (-1: the next 32-row group's same spot, the default; 0: none; n: n bytes along "
                     "the row)")
@@ -72,8 +72,7 @@ def main(argv=None) -> None:
     if (E * tpe) % K:
         ap.error("experts x tokens-per-expert must be a multiple of top-k")
     set_threads(a.threads)
-    if a.amx_min_tokens is not None:
-        set_amx_min_tokens(a.amx_min_tokens)
+    set_amx_min_tokens(a.amx_min_tokens)
     torch.manual_seed(0)
     scale = lambda n, k: torch.rand((n + 127) // 128, (k + 127) // 128) * 1e-2 + 1e-3  # noqa: E731
     n = min(a.distinct, E)

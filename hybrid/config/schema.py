@@ -127,7 +127,8 @@ class CpuPolicy:
     kernel: Optional[str] = None  # ISA: null (HYBRID_CPU_KERNEL, else the best) | amx | avx512_bf16 | avx512 | avx2 | generic
     moe_backend: str = "native"  # routed experts: native (the C++ CPU kernels) | torch (reference path)
     gemm_tile_tokens: int = 64  # tokens per expert from which FP8 tiles are converted once and reused
-    amx_min_tokens: int = 4  # kernel amx: tokens per expert from which AMX tiles run (H200 host: AMX ahead from 4)
+    amx_min_tokens: Optional[int] = None  # kernel amx: tokens per expert from which AMX tiles run; null = 4 (H200
+    # host: AMX ahead from 4), 1 under decode.batch_invariant (every expert call on tiles)
     deferred_experts: int = 0  # experts deferred to overlap the next layer (changes outputs slightly)
     lm_head: str = "bf16"  # lm_head without a GPU: bf16 (as published) | fp8 (quantised at load; changes logits)
 
@@ -136,7 +137,8 @@ class CpuPolicy:
         _one_of(self, "cpu", "lm_head", ("bf16", "fp8"))
         _one_of(self, "cpu", "kernel", (None, *KERNELS))
         _one_of(self, "cpu", "moe_backend", ("native", "torch"))
-        _at_least(self, "cpu", 1, "gemm_tile_tokens", "amx_min_tokens")
+        _at_least(self, "cpu", 1, "gemm_tile_tokens")
+        _at_least(self, "cpu", 1, "amx_min_tokens", optional=True)
         _at_least(self, "cpu", 0, "deferred_experts")
 
 
@@ -196,7 +198,8 @@ class DecodePolicy:
     dual_batch: Optional[bool] = None  # >= 2 decoding: two micro-batches, one's GPU work beside the other's CPU
     # experts (null: on where decode runs hostfn graphs, off elsewhere)
     dual_stagger: bool = True  # dual_batch under hostfn graphs: each micro-batch's next step launched once sampled
-    batch_invariant: bool = False  # GPU: a sequence's decode numbers independent of its batch mates (placement)
+    batch_invariant: bool = False  # a sequence's numbers independent of its batch mates: GPU GEMMs padded, MLA
+    # decode attention in fixed chunks (placement); AMX CPUs: every expert call on tiles (cpu.amx_min_tokens 1)
     mapped_outputs: bool = True  # GPU: the CPU experts' outputs read in place from pinned memory, not copied back
     cpu_join: Optional[str] = None  # hostfn graphs: the GPU waits for the CPU experts on a signal word | a host node
 
@@ -239,6 +242,12 @@ class PolicyConfig:
     gpu: GpuPolicy = field(default_factory=GpuPolicy)
 
     def __post_init__(self) -> None:
+        if self.decode.batch_invariant and (self.cpu.amx_min_tokens or 1) > 1:
+            raise ValueError(
+                f"policy.cpu.amx_min_tokens={self.cpu.amx_min_tokens} contradicts policy.decode.batch_invariant=true: "
+                "on an AMX CPU an expert with fewer tokens would run on the AVX-512 kernel, which rounds differently "
+                "from the tiles, so a token's numbers would depend on how many batch mates share its experts; leave "
+                "it null (1 under batch_invariant) or set 1")
         if self.decode.batch_cap > self.kv.max_batch:
             raise ValueError(
                 f"policy.decode.batch_cap ({self.decode.batch_cap}) exceeds policy.kv.max_batch "

@@ -29,7 +29,7 @@ from hybrid.engine.streams import prefill_sms
 from hybrid.errors import ConfigError
 from hybrid.kernels import combine, fp8_linear, pointwise, thread_pool
 from hybrid.kernels.dispatch import kernel_name, selected
-from hybrid.kernels.gemm import set_amx_min_tokens, set_tile_min_tokens
+from hybrid.kernels.gemm import AMX_MIN_TOKENS, set_amx_min_tokens, set_tile_min_tokens
 from hybrid.model.transformer import Transformer
 from hybrid.prefill.ring import expert_tensors, layout
 from hybrid.prefill.slp import StreamLoader, group_size
@@ -51,15 +51,25 @@ def cpu_threads(p: PolicyConfig, hw: HwConfig) -> int:
     return detect().physical_cores
 
 
-def configure_cpu(threads: int, tile_tokens: int, amx_tokens: int) -> None:
+def amx_min_tokens(p: PolicyConfig) -> int:
+    """policy.cpu.amx_min_tokens, else 1 under policy.decode.batch_invariant, else AMX_MIN_TOKENS. The AMX tiles
+    and the AVX-512 kernel round differently (the same products summed in another order), so with a threshold above
+    1 a token's expert outputs would depend on how many batch mates picked the same expert; on tiles alone they do
+    not (tests/kernels/test_amx.py)."""
+    if p.cpu.amx_min_tokens is not None:
+        return p.cpu.amx_min_tokens
+    return 1 if p.decode.batch_invariant else AMX_MIN_TOKENS
+
+
+def configure_cpu(threads: int, p: PolicyConfig) -> None:
     """The native kernels' process-wide settings (one thread pool per process) and torch's intra-op threads, from
     the plan, once per engine. One count for both: without a GPU they take turns within a step (placement runs the
     routed experts synchronously, the shared experts after them), and torch keeps every core for what stays its own
     (the BF16 lm_head, attention's score products)."""
     torch.set_num_threads(threads)
     thread_pool.set_threads(threads)
-    set_tile_min_tokens(tile_tokens)
-    set_amx_min_tokens(amx_tokens)
+    set_tile_min_tokens(p.cpu.gemm_tile_tokens)
+    set_amx_min_tokens(amx_min_tokens(p))
 
 
 # Knobs a rebuild changes around the placed model (`rebuild`): every other knob needs the model placed again.
@@ -146,7 +156,7 @@ def cpu_lm_head(p, device: torch.device, native: bool) -> str:
 def device_gemm(p: PolicyConfig, device: torch.device) -> fp8_linear.Fp8Gemm:
     """The compute device's GEMM object (policy.gpu) for the engine's process and a prefill peer alike. Rows padded
     for batch-invariant decode (policy.decode.batch_invariant): every batch size up to kv.max_batch through one
-    kernel shape; none without a GPU (the CPU kernels are invariant as they are)."""
+    kernel shape; none without a GPU (the CPU kernels are invariant as they are, AMX's with amx_min_tokens(p) 1)."""
     pad = max(16, p.kv.max_batch) if p.decode.batch_invariant and device.type == "cuda" else 0
     return fp8_linear.Fp8Gemm(p.gpu.fp8_gemm, p.gpu.fp8_dequant_rows, pad_rows=pad)
 
@@ -158,7 +168,7 @@ def place_model(s: HybridConfig, hw: HwConfig, progress: bool = True, cpu_peer: 
     p = s.policy
     device = compute_device(hw)
     threads = cpu_threads(p, hw)
-    configure_cpu(threads, p.cpu.gemm_tile_tokens, p.cpu.amx_min_tokens)
+    configure_cpu(threads, p)
     gemm = device_gemm(p, device)
     if device.type == "cuda" and fp8_linear.triton is None:
         print("note: Triton is not installed: FP8 weights on the GPU are dequantised with torch ops before use "
@@ -205,7 +215,7 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
     threads = cpu_threads(p, hw)
     chunk_prefill_attention(model, p.prefill.attention_chunk_tokens)
     if previous is not None:  # a fresh build's place_model set them already, from the same policy
-        configure_cpu(threads, p.cpu.gemm_tile_tokens, p.cpu.amx_min_tokens)
+        configure_cpu(threads, p)
     same_hot = previous is not None and previous.plan.gpu_experts_per_layer == p.gpu.experts_per_layer
     if same_hot:
         hot = previous.parts["hot"]
@@ -254,7 +264,7 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
 
             decode = GraphedDecode(model, cache, placed.staging, p.decode.cuda_graphs, p.kv.max_batch, join)
     plan = Plan(device=device, threads=threads, cpu_kernel=selected(p.cpu.kernel) if placed.native else "torch",
-                cpu_gemm_tile_tokens=p.cpu.gemm_tile_tokens, cpu_amx_min_tokens=p.cpu.amx_min_tokens,
+                cpu_gemm_tile_tokens=p.cpu.gemm_tile_tokens, cpu_amx_min_tokens=amx_min_tokens(p),
                 moe_backend=p.cpu.moe_backend, cpu_lm_head=cpu_lm_head(p, device, placed.native),
                 deferred_experts=p.cpu.deferred_experts, max_batch=p.kv.max_batch, max_context=p.kv.max_context,
                 batch_cap=p.decode.batch_cap, prefill_chunk_tokens=p.prefill.chunk_tokens,
@@ -301,7 +311,7 @@ def peer_model(device: torch.device, s: HybridConfig, threads: int) -> tuple[Tra
     """In the peer process: the model loaded and placed on its device as place_model does (the routed experts on
     the CPU kernels, attached to the engine's shared copy after), and its stream loader."""
     p = s.policy
-    configure_cpu(threads, p.cpu.gemm_tile_tokens, p.cpu.amx_min_tokens)
+    configure_cpu(threads, p)
     model, _ = models.load(s.model, progress=False)
     a = model.args
     cuda = device.type == "cuda"

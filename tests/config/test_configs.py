@@ -236,6 +236,8 @@ def test_wrong_type(override, expect):
     (["policy.cpu.kernel=auto"], "policy.cpu.kernel"),  # null is auto
     (["policy.cpu.threads=0"], "policy.cpu.threads"),  # null is all physical cores
     (["policy.cpu.moe_backend=numpy"], "policy.cpu.moe_backend"),
+    (["policy.cpu.amx_min_tokens=0"], "policy.cpu.amx_min_tokens"),  # null: 4, or 1 under decode.batch_invariant
+    (["policy.cpu.amx_min_tokens=4", "policy.decode.batch_invariant=true"], "policy.cpu.amx_min_tokens=4 contradicts"),
     (["policy.decode.cuda_graphs=always"], "policy.decode.cuda_graphs"),
     (["policy.gpu.memory_budget_gb=0"], "policy.gpu.memory_budget_gb"),  # null is all free memory
     (["policy.gpu.weights=int4"], "policy.gpu.weights"),

@@ -10,8 +10,10 @@ step. Over 16 prompts the two paths' logits differed by up to 0.2 and arg-maxes 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,12 +24,13 @@ from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, place
 from hybrid.engine.plan import Plan
 from hybrid.engine.requests import SamplingParams
 from hybrid.kernels.fp8_linear import DEFAULT_GEMM, CpuFp8Gemm, Fp8Gemm
+from hybrid.kernels.gemm import AMX_MIN_TOKENS, gemm, set_amx_min_tokens
 from hybrid.model.attention import MLA
 from hybrid.model.layers import Linear
 from hybrid.weights import fp8
 from hybrid.weights.checkpoint import Checkpoint
 from hybrid.weights.loader import load_model
-from hybrid.weights.synthetic import write_checkpoint
+from hybrid.weights.synthetic import fp8_codes, write_checkpoint
 from tests.conftest import model_spec
 
 STEPS = 32
@@ -143,6 +146,25 @@ def test_the_lm_head_knob_is_in_the_plan():
     engine = build(s, s.hw, progress=False)
     assert engine.plan.cpu_lm_head == "fp8" and "lm_head fp8" in engine.plan.describe()
     assert engine.model.lm_head.weight.dtype == fp8.FP8
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_batch_invariance_puts_every_amx_expert_call_on_tiles(invariant):
+    """policy.cpu.amx_min_tokens null resolves to 1 under policy.decode.batch_invariant (every expert call on AMX
+    tiles, which round differently from the AVX-512 kernel below the threshold: tests/kernels/test_amx.py), else to
+    AMX_MIN_TOKENS; the plan, its banner and the native kernels' setting say so."""
+    s = to_settings(compose(["+hw=cpu_only", f"policy.decode.batch_invariant={str(invariant).lower()}"]))
+    try:
+        engine = build(s, s.hw, progress=False)
+        want = 1 if invariant else AMX_MIN_TOKENS
+        assert engine.plan.cpu_amx_min_tokens == want
+        assert f"AMX from {want}" in replace(engine.plan, cpu_kernel="amx").describe()
+        # a 2-token GEMM: on the emulated tiles only under a threshold of 1 or 2, else the generic kernel's bits
+        x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        w, sc = fp8_codes(np.random.default_rng(0), (256, 256)), torch.full((2, 2), 1e-2)
+        assert torch.equal(gemm(x, w, sc, kernel="amx_emulated"), gemm(x, w, sc, kernel="generic")) != invariant
+    finally:
+        set_amx_min_tokens(AMX_MIN_TOKENS)
 
 
 def _engine_decode(engine, prompt: list[int], tokens: Optional[list[int]] = None):

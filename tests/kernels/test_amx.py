@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid.config.schema import CpuPolicy
+from hybrid.config.schema import CpuPolicy, DecodePolicy, PolicyConfig
+from hybrid.engine.build import amx_min_tokens
 from hybrid.kernels import dispatch
-from hybrid.kernels.gemm import gemm, set_amx_min_tokens, set_amx_overlap, set_amx_prefetch
+from hybrid.kernels.gemm import AMX_MIN_TOKENS, gemm, set_amx_min_tokens, set_amx_overlap, set_amx_prefetch
 from hybrid.kernels.moe import CpuMoE
 from tests.kernels.common import FP8, VALID_CODES, bf16, dense64, rel_errors, rng_for
 from tests.kernels.test_gemm import MAX_BOUND, P95_BOUND, run_and_check, same_on_1_and_2_threads, weights
@@ -38,7 +39,7 @@ SHAPES = [(16, 128), (17, 64), (65, 63), (130, 257), (257, 300), (300, 1100), (5
 def amx_from():
     """Sets the token count from which the tiles run; the default is back after the test."""
     yield set_amx_min_tokens
-    set_amx_min_tokens(CpuPolicy().amx_min_tokens)
+    set_amx_min_tokens(AMX_MIN_TOKENS)
 
 
 # ------------------------------------------------------------------------------------------------ GEMM
@@ -117,6 +118,24 @@ def test_threshold_picks_the_path(amx_from):
     if HAS_AMX:
         amx_from(13)
         assert torch.equal(gemm(x, w, s, kernel="amx"), gemm(x, w, s, kernel="avx512_bf16"))
+
+
+@pytest.mark.parametrize("variant", TILED)
+def test_batch_mates_change_nothing_with_every_call_on_tiles(variant, amx_from):
+    """With every call on tiles (amx_min_tokens 1, as policy.decode.batch_invariant resolves it) a token's row is
+    bitwise the same alone and in a batch of any size; under the default threshold it is not: alone it runs on the
+    small-M kernel (the AVX-512 one; the generic one in the emulation), which sums the products in another order."""
+    rng = rng_for("amx-batch-mates", variant)
+    w, s = weights(rng, 300, 1000, "fp8")
+    x = bf16(rng, (40, 1000))
+    amx_from(1)
+    alone = torch.cat([gemm(x[t:t + 1], w, s, kernel=variant) for t in range(x.shape[0])])
+    for M in [2, 3, 4, 5, 15, 16, 17, 33, 40]:
+        diff = (gemm(x[:M], w, s, kernel=variant) != alone[:M]).nonzero()
+        assert diff.numel() == 0, (f"{variant} M={M}: token {diff[0, 0].item()} row {diff[0, 1].item()} differs "
+                                   f"from the token alone")
+    amx_from(AMX_MIN_TOKENS)
+    assert not torch.equal(gemm(x[:1], w, s, kernel=variant), gemm(x[:16], w, s, kernel=variant)[:1])
 
 
 @needs_amx
@@ -233,9 +252,20 @@ def test_amx_prefetch_checked():
 def test_amx_min_tokens_checked():
     with pytest.raises(ValueError, match="amx_min_tokens must be >= 1"):
         set_amx_min_tokens(0)
-    with pytest.raises(ValueError, match=r"policy.cpu.amx_min_tokens must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"policy.cpu.amx_min_tokens must be >= 1 or null, got 0"):
         CpuPolicy(amx_min_tokens=0)
-    assert CpuPolicy().amx_min_tokens >= 1
+
+
+def test_amx_min_tokens_resolved():
+    """null: AMX_MIN_TOKENS, or 1 under decode.batch_invariant (every expert call on tiles); a set value as set,
+    except one above 1 beside batch_invariant, which would let an expert's path follow its batch mates."""
+    invariant = DecodePolicy(batch_invariant=True)
+    assert amx_min_tokens(PolicyConfig()) == AMX_MIN_TOKENS > 1
+    assert amx_min_tokens(PolicyConfig(decode=invariant)) == 1
+    assert amx_min_tokens(PolicyConfig(cpu=CpuPolicy(amx_min_tokens=2))) == 2
+    assert amx_min_tokens(PolicyConfig(cpu=CpuPolicy(amx_min_tokens=1), decode=invariant)) == 1
+    with pytest.raises(ValueError, match=r"policy.cpu.amx_min_tokens=4 contradicts policy.decode.batch_invariant"):
+        PolicyConfig(cpu=CpuPolicy(amx_min_tokens=4), decode=invariant)
 
 
 def test_bench_times_amx_beside_avx512():

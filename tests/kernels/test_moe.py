@@ -28,7 +28,7 @@ import torch
 
 from hybrid import _native
 from hybrid.kernels import dispatch
-from hybrid.kernels.gemm import gemm
+from hybrid.kernels.gemm import AMX_MIN_TOKENS, gemm, set_amx_min_tokens
 from hybrid.kernels.moe import CpuMoE, set_moe_lag_rounds, set_moe_longest_first
 from hybrid.kernels.thread_pool import set_threads, threads
 from hybrid.kernels.view import view
@@ -468,3 +468,32 @@ def test_silu_step_specials_and_errors():
         _native.silu_mul(view(g), view(u[:3].clone()), view(out))
     with pytest.raises(ValueError, match="float32"):
         _native.silu_mul(view(g.double()), view(u), view(out))
+
+
+# ------------------------------------------------------------------------------------------------ batch mates
+
+@pytest.mark.parametrize("wtype", WTYPES)
+@pytest.mark.parametrize("variant", VARIANTS + ["amx_emulated"])
+def test_token_alone_equals_its_row_in_a_batch(variant, wtype):
+    """A served request's numbers must not depend on its batch mates: each token's output computed alone is bitwise
+    its row in a batch of 70 where one expert has every token (past gemm_tile_tokens: the converted tiles; AMX
+    tiles) and the others a dozen or so. The tiled variants with every expert call on tiles, as
+    policy.decode.batch_invariant resolves amx_min_tokens (test_amx.py: the default threshold breaks it)."""
+    D, I = DIMS[1]
+    T = 70
+    rng = rng_for("moe-batch-mates", variant, wtype)
+    x = bf16(rng, (T, D))
+    ids, w, _ = routing_with_hot(rng, T)
+    op = op_for(wtype, D, I, variant)
+    tiled = variant in ("amx", "amx_emulated")
+    if tiled:
+        set_amx_min_tokens(1)
+    try:
+        together = op(x, ids, w)
+        alone = torch.cat([op(x[t:t + 1], ids[t:t + 1], w[t:t + 1]) for t in range(T)])
+    finally:
+        if tiled:
+            set_amx_min_tokens(AMX_MIN_TOKENS)
+    diff = (alone != together).nonzero()
+    assert diff.numel() == 0, (f"{variant} {wtype}: token {diff[0, 0].item()} differs alone and in the batch "
+                               f"(hidden unit {diff[0, 1].item()}); {seed_note()}")
