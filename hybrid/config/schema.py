@@ -199,7 +199,7 @@ class DecodePolicy:
     # experts (null: on where decode runs hostfn graphs, off elsewhere)
     dual_stagger: bool = True  # dual_batch under hostfn graphs: each micro-batch's next step launched once sampled
     batch_invariant: bool = False  # a sequence's numbers independent of its batch mates: GPU GEMMs padded, MLA
-    # decode attention in fixed chunks (placement); AMX CPUs: every expert call on tiles (cpu.amx_min_tokens 1)
+    # decode attention in fixed chunks (placement); the CPU kernels one form at every token count (configure_cpu)
     mapped_outputs: bool = True  # GPU: the CPU experts' outputs read in place from pinned memory, not copied back
     cpu_join: Optional[str] = None  # hostfn graphs: the GPU waits for the CPU experts on a signal word | a host node
 

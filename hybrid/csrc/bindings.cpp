@@ -29,6 +29,8 @@ PYBIND11_MODULE(_native, m) {
         "(-1: the next 32-row group's same spot, 0: none)");
   m.def("set_amx_overlap", &set_amx_overlap, "variant amx: the next weight slab converted while this one's tiles "
         "multiply (true, the default) or after them");
+  m.def("set_batch_invariant", &set_batch_invariant, "every output by the same operations whatever its batch: "
+        "avx512_bf16's converted tiles keep the streaming form's sums (off: the outer-product form)");
   m.def("set_moe_lag_rounds", &set_moe_lag_rounds, "MoE layer: rounds of tasks (one per thread) an expert's down "
         "tasks are queued behind its gate/up tasks (default 2)");
   m.def("set_moe_longest_first", &set_moe_longest_first, "MoE layer: experts' tasks queued by token count, most "

@@ -104,6 +104,8 @@ void set_amx_prefetch(int64_t bytes) {
 }
 
 void set_amx_overlap(bool on) { tunables().amx_overlap = on; }
+
+void set_batch_invariant(bool on) { tunables().batch_invariant = on; }
 void set_moe_longest_first(bool on) { tunables().moe_longest_first = on; }
 
 void set_moe_lag_rounds(int64_t rounds) {

@@ -5,6 +5,8 @@
 // two byte unpacks form the 16-bit lanes. The unpacks leave the 64 weights in a fixed lane order, so activations
 // are prepared once per call in that same order. Products go through vdpbf16ps into fp32 block accumulators; each
 // 128-wide K block's scale is applied once ("post-scaling"), to four accumulators' lane sums at a time (QuadSums).
+// From tile_min_m tokens the avx512_bf16 kernel converts each weight once into an L1 slab laid out for the
+// outer-product form (outer_rows: lanes are weight rows, the activations broadcast), unless batch-invariant.
 //
 // Variant avx512 (AVX-512 F/BW/VL/VBMI without BF16 instructions) compiles this same file a second time, from
 // gemm_avx512_nobf16.cpp with HYBRID_AVX512_NO_BF16 set and without -mavx512bf16: vdpbf16ps is emulated with two
@@ -276,6 +278,130 @@ void rows_tokens_outer(const GemmProblem& p, const uint16_t* xp, int64_t n0, int
   for (; m < p.M; ++m) group(std::integral_constant<int, 1>{}, m);
 }
 
+#if !HYBRID_AVX512_NO_BF16
+// The outer-product form (avx512_bf16, from tile_min_m tokens): a zmm's lanes are 16 weight rows, and one
+// vdpbf16ps adds one K pair of each of them for one token, whose pair is broadcast: no lane sums. One 128-wide K
+// block of 32 rows at a time is converted (as the streaming form converts) and transposed into an L1 slab, one
+// zmm per K pair and 16 rows (the VNNI layout); then every token multiplies it, 8 at a time, and each block's sums
+// are scaled into y (y = s * block, then y += s * block). Each output is one chain over its block's pairs in lane
+// order whatever tokens share its tile, so the form is batch-invariant within itself, but it sums in another order
+// than the streaming form: under batch invariance (Tunables) the converted tiles keep the streaming form's sums.
+// Rows are taken 32 at a time from n0, a multiple of 16 (both callers split rows so), so that each group of 16
+// lies in one 128-row scale block.
+// AMD Zen 4 (dev machine, docs/perf-notes.md): the multiply loop alone runs at ~0.95 vdpbf16ps per cycle against
+// ~0.67 for the streaming form's; building the slab (conversion, two 16 x 16 transposes per 16 rows and 64 K,
+// stores) costs about what that saves at 16 tokens, so the form pays from ~48 tokens: 2048 x 7168 and 7168 x 2048
+// GEMMs 1.12-1.23x the streaming form at 64 tokens, 1.43-1.44x the lane-form tiles at 512.
+constexpr int kOuterRows = 32;                         // rows per pass: two groups of 16
+constexpr int64_t kOuterPairs = kBlock / 2;            // K pairs per block
+static_assert(kOuterSlabElems == kOuterPairs * kOuterRows * 2, "gemm.h's slab size");
+
+// v[r] lane j -> v[j] lane r (16 x 16 32-bit elements).
+inline void transpose16(__m512i (&v)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // v[4i + e], 128-bit lane L: element 4L + e of rows 4i .. 4i + 3
+    v[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    v[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    v[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    v[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {  // the 128-bit lanes: element 4L + e of all 16 rows
+    const __m512i a = _mm512_shuffle_i32x4(v[e], v[4 + e], 0x44), b = _mm512_shuffle_i32x4(v[e], v[4 + e], 0xEE);
+    const __m512i c = _mm512_shuffle_i32x4(v[8 + e], v[12 + e], 0x44);
+    const __m512i d = _mm512_shuffle_i32x4(v[8 + e], v[12 + e], 0xEE);
+    t[e] = _mm512_shuffle_i32x4(a, c, 0x88);
+    t[4 + e] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    t[8 + e] = _mm512_shuffle_i32x4(b, d, 0x88);
+    t[12 + e] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
+  for (int j = 0; j < 16; ++j) v[j] = t[j];
+}
+
+// Rows [n, n + rows) (rows <= 32), K block kb, into slab[pair][32 rows] (32-bit BF16 pairs); missing rows zero.
+inline void outer_slab(const Fp8Rows& L, int rows, int64_t kb, int64_t n_chunks, uint32_t* slab) {
+  for (int g = 0; g < kOuterRows / 16; ++g)
+    for (int64_t c = 2 * kb; c < lo(2 * kb + 2, n_chunks); ++c) {
+      __m512i a[16], b[16];
+      for (int r = 0; r < 16; ++r) {
+        if (g * 16 + r < rows) L.load(g * 16 + r, c, a[r], b[r]);
+        else a[r] = b[r] = _mm512_setzero_si512();
+      }
+      transpose16(a);
+      transpose16(b);
+      uint32_t* out = slab + (c - 2 * kb) * 32 * kOuterRows + g * 16;
+      for (int j = 0; j < 16; ++j) {
+        _mm512_store_si512(out + j * kOuterRows, a[j]);
+        _mm512_store_si512(out + (16 + j) * kOuterRows, b[j]);
+      }
+    }
+}
+
+// MT tokens (x: token 0's pairs of this block, ldx apart) against the slab's `pairs` pairs; each block's sums
+// scaled into y's 32 rows (valid: a mask per group; s: each group's scale), `first`: the call's first block.
+template <int MT>
+void outer_tile(const uint32_t* slab, int64_t pairs, const uint32_t* x, int64_t ldx, const __mmask16 (&valid)[2],
+                const __m512 (&s)[2], bool first, float* y, int64_t ldy) {
+  __m512 acc[2][MT];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t q = 0; q < pairs; ++q) {
+    const __m512i w0 = _mm512_load_si512(slab + q * kOuterRows), w1 = _mm512_load_si512(slab + q * kOuterRows + 16);
+    for (int m = 0; m < MT; ++m) {
+      const __m512i b = _mm512_set1_epi32(int(x[m * ldx + q]));
+      acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)w0, (__m512bh)b);
+      acc[1][m] = _mm512_dpbf16_ps(acc[1][m], (__m512bh)w1, (__m512bh)b);
+    }
+  }
+  for (int g = 0; g < 2; ++g) {
+    if (!valid[g]) continue;
+    for (int m = 0; m < MT; ++m) {
+      float* out = y + m * ldy + g * 16;
+      const __m512 v = first ? _mm512_mul_ps(acc[g][m], s[g])
+                             : _mm512_fmadd_ps(acc[g][m], s[g], _mm512_maskz_loadu_ps(valid[g], out));
+      _mm512_mask_storeu_ps(out, valid[g], v);
+    }
+  }
+}
+
+void outer_rows(const GemmProblem& p, const uint16_t* xp, int64_t n0, int64_t n1, uint32_t* slab) {
+  const auto* w = static_cast<const uint8_t*>(p.w);
+  const int64_t ldx = padded_k(p.K) / 2, n_chunks = (p.K + kChunk - 1) / kChunk;
+  const auto* x = reinterpret_cast<const uint32_t*>(xp);
+  for (int64_t n = n0; n < n1; n += kOuterRows) {
+    const int rows = int(lo(kOuterRows, n1 - n));
+    const Fp8Rows L{w + n * p.ldw, p.ldw, p.K, &tables(), kOuterRows * p.ldw};  // the next pass's same spot
+    __mmask16 valid[2];
+    for (int g = 0; g < 2; ++g) valid[g] = __mmask16(tail_mask(hi(0, lo(16, rows - 16 * g))));
+    for (int64_t kb = 0; kb * kBlock < p.K; ++kb) {
+      outer_slab(L, rows, kb, n_chunks, slab);
+      const int64_t pairs = (lo(2 * kb + 2, n_chunks) - 2 * kb) * 32;
+      __m512 s[2];
+      for (int g = 0; g < 2; ++g) {
+        const int64_t r = lo(n + 16 * g, n1 - 1);  // a group's rows lie in one 128-row block (n is a multiple of 16)
+        s[g] = _mm512_set1_ps(p.scale ? p.scale[(r / kBlock) * p.lds + kb] : 1.0f);
+      }
+      const uint32_t* xb = x + kb * kOuterPairs;
+      float* yb = p.y + n;
+      int64_t m = 0;
+      for (; m + 8 <= p.M; m += 8) outer_tile<8>(slab, pairs, xb + m * ldx, ldx, valid, s, kb == 0, yb + m * p.ldy, p.ldy);
+      if (m + 4 <= p.M) {
+        outer_tile<4>(slab, pairs, xb + m * ldx, ldx, valid, s, kb == 0, yb + m * p.ldy, p.ldy);
+        m += 4;
+      }
+      if (m + 2 <= p.M) {
+        outer_tile<2>(slab, pairs, xb + m * ldx, ldx, valid, s, kb == 0, yb + m * p.ldy, p.ldy);
+        m += 2;
+      }
+      if (m < p.M) outer_tile<1>(slab, pairs, xb + m * ldx, ldx, valid, s, kb == 0, yb + m * p.ldy, p.ldy);
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 void HYBRID_AVX512_FN(convert_rows)(const GemmProblem& p, int64_t n, int64_t count, int64_t c0, int64_t c1,
@@ -330,6 +456,9 @@ void HYBRID_AVX512_FN(gemm_rows)(const GemmProblem& p, const uint16_t* xp, int64
 #endif
     return;
   }
+#if !HYBRID_AVX512_NO_BF16
+  if (!tunables().batch_invariant) return outer_rows(p, xp, n0, n1, reinterpret_cast<uint32_t*>(tile_buf));
+#endif
   const int64_t ld = padded_k(p.K);
   for (int64_t g = n0; g < n1; g += kTileRows) {
     const int64_t count = lo(kTileRows, n1 - g);
@@ -340,8 +469,8 @@ void HYBRID_AVX512_FN(gemm_rows)(const GemmProblem& p, const uint16_t* xp, int64
     // ~1.2-1.7x at M = 512; a tile kept in FP32 (no odd/even split in the loop, twice the scratch) was no faster.
     rows_tokens_outer<3, 4>(p, xp, g, g + count, tile_rows);
 #else
-    // Zen 4, 2 cores, gate/up GEMMs of 64 and 128 tokens: 8 tokens per pass over the tile 1.16-1.36x faster than 4
-    // (as fast as streaming; the tile spares the conversions).
+    // Under batch invariance: the streaming form's sums, the conversions spared (Zen 4, 2 cores, gate/up GEMMs of
+    // 64 and 128 tokens: 8 tokens per pass over the tile 1.16-1.36x faster than 4, as fast as streaming).
     rows<2, 8>(p, xp, g, g + count, tile_rows);
 #endif
   }

@@ -21,6 +21,7 @@ void set_tile_min_m(int64_t m);
 void set_amx_min_m(int64_t m);
 void set_amx_prefetch(int64_t bytes);
 void set_amx_overlap(bool on);
+void set_batch_invariant(bool on);
 void set_moe_lag_rounds(int64_t rounds);
 void set_moe_longest_first(bool on);
 // The AVX2 kernel's conversion of streaming FP8 rows (1-4 tokens): "fp16" or "registers" (Tunables).

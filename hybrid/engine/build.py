@@ -29,7 +29,7 @@ from hybrid.engine.streams import prefill_sms
 from hybrid.errors import ConfigError
 from hybrid.kernels import combine, fp8_linear, pointwise, thread_pool
 from hybrid.kernels.dispatch import kernel_name, selected
-from hybrid.kernels.gemm import AMX_MIN_TOKENS, set_amx_min_tokens, set_tile_min_tokens
+from hybrid.kernels.gemm import AMX_MIN_TOKENS, set_amx_min_tokens, set_batch_invariant, set_tile_min_tokens
 from hybrid.model.transformer import Transformer
 from hybrid.prefill.ring import expert_tensors, layout
 from hybrid.prefill.slp import StreamLoader, group_size
@@ -65,11 +65,13 @@ def configure_cpu(threads: int, p: PolicyConfig) -> None:
     """The native kernels' process-wide settings (one thread pool per process) and torch's intra-op threads, from
     the plan, once per engine. One count for both: without a GPU they take turns within a step (placement runs the
     routed experts synchronously, the shared experts after them), and torch keeps every core for what stays its own
-    (the BF16 lm_head, attention's score products)."""
+    (the BF16 lm_head, attention's score products). Under policy.decode.batch_invariant the kernels keep one form
+    of sums at every token count (amx_min_tokens, set_batch_invariant)."""
     torch.set_num_threads(threads)
     thread_pool.set_threads(threads)
     set_tile_min_tokens(p.cpu.gemm_tile_tokens)
     set_amx_min_tokens(amx_min_tokens(p))
+    set_batch_invariant(p.decode.batch_invariant)
 
 
 # Knobs a rebuild changes around the placed model (`rebuild`): every other knob needs the model placed again.
@@ -156,7 +158,7 @@ def cpu_lm_head(p, device: torch.device, native: bool) -> str:
 def device_gemm(p: PolicyConfig, device: torch.device) -> fp8_linear.Fp8Gemm:
     """The compute device's GEMM object (policy.gpu) for the engine's process and a prefill peer alike. Rows padded
     for batch-invariant decode (policy.decode.batch_invariant): every batch size up to kv.max_batch through one
-    kernel shape; none without a GPU (the CPU kernels are invariant as they are, AMX's with amx_min_tokens(p) 1)."""
+    kernel shape; none without a GPU (the CPU kernels: configure_cpu)."""
     pad = max(16, p.kv.max_batch) if p.decode.batch_invariant and device.type == "cuda" else 0
     return fp8_linear.Fp8Gemm(p.gpu.fp8_gemm, p.gpu.fp8_dequant_rows, pad_rows=pad)
 

@@ -9,8 +9,9 @@ graphs), the stream-loading prefill and the hot experts, and serves requests as 
     engine.abort(rid)                               # from any thread: its slot is free after the next step
 
 `add_request` and `abort` may be called from any thread; `step` from one (the engine's) at a time. A request's
-greedy tokens do not depend on its batch mates (on the CPU; on a GPU, and on an AMX CPU, with
-policy.decode.batch_invariant), and a seeded request samples the same tokens whatever they are.
+greedy tokens do not depend on its batch mates with policy.decode.batch_invariant (without it: on the CPU, but
+for AMX tiles and avx512_bf16's outer-product form, which an expert takes from enough tokens), and a seeded
+request samples the same tokens whatever they are.
 Scheduling: hybrid/engine/scheduler.py.
 """
 from __future__ import annotations

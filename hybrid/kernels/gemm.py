@@ -34,6 +34,13 @@ def set_amx_min_tokens(m: int) -> None:
     _native.set_amx_min_m(m)
 
 
+def set_batch_invariant(on: bool) -> None:
+    """Every output of the CPU kernels by the same operations whatever its batch (policy.decode.batch_invariant):
+    avx512_bf16's converted tiles (from gemm_tile_tokens tokens) then keep the streaming form's sums instead of the
+    faster outer-product form's. (Variant amx's threshold is the plan's: 1 under it.)"""
+    _native.set_batch_invariant(on)
+
+
 def set_amx_prefetch(bytes_ahead: int) -> None:
     """Variant amx: where each FP8 load's prefetch into L2 points: -1 the same spot of the next 32-row group (the
     default), 0 none (the hardware prefetchers alone), n > 0 n bytes further along the row."""

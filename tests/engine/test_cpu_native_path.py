@@ -24,7 +24,8 @@ from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, place
 from hybrid.engine.plan import Plan
 from hybrid.engine.requests import SamplingParams
 from hybrid.kernels.fp8_linear import DEFAULT_GEMM, CpuFp8Gemm, Fp8Gemm
-from hybrid.kernels.gemm import AMX_MIN_TOKENS, gemm, set_amx_min_tokens
+from hybrid.kernels.dispatch import available
+from hybrid.kernels.gemm import AMX_MIN_TOKENS, gemm, set_amx_min_tokens, set_batch_invariant
 from hybrid.model.attention import MLA
 from hybrid.model.layers import Linear
 from hybrid.weights import fp8
@@ -149,10 +150,11 @@ def test_the_lm_head_knob_is_in_the_plan():
 
 
 @pytest.mark.parametrize("invariant", [False, True])
-def test_batch_invariance_puts_every_amx_expert_call_on_tiles(invariant):
-    """policy.cpu.amx_min_tokens null resolves to 1 under policy.decode.batch_invariant (every expert call on AMX
-    tiles, which round differently from the AVX-512 kernel below the threshold: tests/kernels/test_amx.py), else to
-    AMX_MIN_TOKENS; the plan, its banner and the native kernels' setting say so."""
+def test_batch_invariance_sets_the_cpu_kernels_one_form(invariant):
+    """Under policy.decode.batch_invariant the kernels keep one form of sums at every token count: amx_min_tokens
+    null resolves to 1 (every expert call on AMX tiles, which round differently from the AVX-512 kernel below the
+    threshold: tests/kernels/test_amx.py), else to AMX_MIN_TOKENS; and avx512_bf16's converted tiles keep the
+    streaming form's sums (tests/kernels/test_gemm.py). The plan, its banner and the native settings say so."""
     s = to_settings(compose(["+hw=cpu_only", f"policy.decode.batch_invariant={str(invariant).lower()}"]))
     try:
         engine = build(s, s.hw, progress=False)
@@ -163,8 +165,13 @@ def test_batch_invariance_puts_every_amx_expert_call_on_tiles(invariant):
         x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         w, sc = fp8_codes(np.random.default_rng(0), (256, 256)), torch.full((2, 2), 1e-2)
         assert torch.equal(gemm(x, w, sc, kernel="amx_emulated"), gemm(x, w, sc, kernel="generic")) != invariant
+        if "avx512_bf16" in available():  # a token alone and in a batch of gemm_tile_tokens (64)
+            x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+            alone, batch = gemm(x[:1], w, sc, kernel="avx512_bf16"), gemm(x, w, sc, kernel="avx512_bf16")[:1]
+            assert torch.equal(alone, batch) == invariant
     finally:
         set_amx_min_tokens(AMX_MIN_TOKENS)
+        set_batch_invariant(False)
 
 
 def _engine_decode(engine, prompt: list[int], tokens: Optional[list[int]] = None):

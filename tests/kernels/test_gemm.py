@@ -21,7 +21,8 @@ import torch
 
 from hybrid.kernels import dispatch
 from hybrid.kernels.cpu_features import cpu_features
-from hybrid.kernels.gemm import gemm
+from hybrid.config.schema import CpuPolicy
+from hybrid.kernels.gemm import gemm, set_batch_invariant, set_tile_min_tokens
 from hybrid.kernels.thread_pool import set_threads, threads
 from tests.kernels.common import (FP8, SUBNORMAL_CODES, VALID_CODES, ZERO_CODES, bf16, block_scales, dense64,
                                   fp8_codes, record, rel_errors, rng_for, seed_note)
@@ -216,14 +217,23 @@ def _problem():
     return bf16(rng, (20, 1000)), w, s
 
 
+@pytest.fixture
+def tiles():
+    """Yields (set_tile_min_tokens, set_batch_invariant) for one test; the defaults are back after it."""
+    yield set_tile_min_tokens, set_batch_invariant
+    set_tile_min_tokens(CpuPolicy().gemm_tile_tokens)
+    set_batch_invariant(False)
+
+
 @pytest.mark.parametrize("wtype", WTYPES)
 @pytest.mark.parametrize("variant", ["avx512_bf16", "avx512"])
-def test_avx512_batch_invariant(variant, wtype):
-    """The AVX-512 kernels: every output the same FP32 operations whichever path computes it (streaming rows of 1,
-    2, 3, 4 or 8 tokens below tile_min_m tokens, in tiles of 1 to 16 accumulators, a converted tile from there on),
-    so a token's row is bitwise the same alone and in any batch."""
+def test_avx512_batch_invariant(variant, wtype, tiles):
+    """The AVX-512 kernels under batch invariance: every output the same FP32 operations whichever path computes it
+    (streaming rows of 1, 2, 3, 4 or 8 tokens below tile_min_m tokens, in tiles of 1 to 16 accumulators, a
+    converted tile from there on), so a token's row is bitwise the same alone and in any batch."""
     if variant not in VARIANTS:
         pytest.skip(f"this CPU lacks the {variant} variant")
+    tiles[1](True)
     N, K = 300, 1000  # ragged 128-row blocks, 3-row steps, 16-row tiles and 128-column blocks
     rng = rng_for("avx512-batch", wtype)
     w, s = weights(rng, N, K, wtype)
@@ -233,6 +243,41 @@ def test_avx512_batch_invariant(variant, wtype):
         diff = (gemm(x[:M], w, s, kernel=variant) != alone[:M]).nonzero()
         assert diff.numel() == 0, (f"{variant} {wtype} M={M}: token {diff[0, 0].item()} row {diff[0, 1].item()} "
                                    f"differs from the token alone; {seed_note()}")
+
+
+needs_avx512_bf16 = pytest.mark.skipif("avx512_bf16" not in VARIANTS, reason="this CPU lacks AVX-512 BF16: the "
+                                       "outer-product form is variant avx512_bf16's")
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("N,K", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_outer_form_shapes(N, K, tiles):
+    """avx512_bf16's outer-product form (its converted tiles unless batch-invariant), at every M of the sweep (tile
+    threshold 1) and past one 8-token tile, against float64: 32-row passes with ragged groups of 16, one scale per
+    group, 128-wide K blocks with a ragged last one."""
+    tiles[0](1)
+    rng = rng_for("outer-shapes", N, K)
+    w, s = weights(rng, N, K, "fp8")
+    w64 = dense64(w, s)
+    for M in M_SAMPLE + [15, 70]:
+        run_and_check(bf16(rng, (M, K)), w, s, "avx512_bf16", "fp8 outer", w64)
+
+
+@needs_avx512_bf16
+def test_outer_form_is_batch_invariant_within_itself(tiles):
+    """On the outer form (threshold 1) a token's row is the same alone and in any batch: each output one chain per
+    K block whatever tokens share its tile. Under the default threshold a token alone (the streaming form) and in a
+    batch of 64 (the outer form) differ in the last bits: what batch invariance turns off."""
+    rng = rng_for("outer-batch")
+    w, s = weights(rng, 300, 1000, "fp8")
+    x = bf16(rng, (70, 1000))
+    tiles[0](1)
+    alone = torch.cat([gemm(x[t:t + 1], w, s, kernel="avx512_bf16") for t in range(x.shape[0])])
+    for M in [2, 3, 5, 8, 9, 13, 16, 64, 70]:
+        diff = (gemm(x[:M], w, s, kernel="avx512_bf16") != alone[:M]).nonzero()
+        assert diff.numel() == 0, f"M={M}: token {diff[0, 0].item()} row {diff[0, 1].item()} differs alone"
+    tiles[0](CpuPolicy().gemm_tile_tokens)
+    assert not torch.equal(gemm(x[:1], w, s, kernel="avx512_bf16"), gemm(x[:64], w, s, kernel="avx512_bf16")[:1])
 
 
 def test_variants_differ_bitwise():

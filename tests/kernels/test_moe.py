@@ -28,7 +28,7 @@ import torch
 
 from hybrid import _native
 from hybrid.kernels import dispatch
-from hybrid.kernels.gemm import AMX_MIN_TOKENS, gemm, set_amx_min_tokens
+from hybrid.kernels.gemm import AMX_MIN_TOKENS, gemm, set_amx_min_tokens, set_batch_invariant
 from hybrid.kernels.moe import CpuMoE, set_moe_lag_rounds, set_moe_longest_first
 from hybrid.kernels.thread_pool import set_threads, threads
 from hybrid.kernels.view import view
@@ -477,23 +477,23 @@ def test_silu_step_specials_and_errors():
 def test_token_alone_equals_its_row_in_a_batch(variant, wtype):
     """A served request's numbers must not depend on its batch mates: each token's output computed alone is bitwise
     its row in a batch of 70 where one expert has every token (past gemm_tile_tokens: the converted tiles; AMX
-    tiles) and the others a dozen or so. The tiled variants with every expert call on tiles, as
-    policy.decode.batch_invariant resolves amx_min_tokens (test_amx.py: the default threshold breaks it)."""
+    tiles) and the others a dozen or so, in the kernels' batch-invariant setting (policy.decode.batch_invariant):
+    amx with every expert call on tiles, avx512_bf16's converted tiles in the streaming form's sums (test_amx.py,
+    test_gemm.py: without it, both switch forms with the count of batch mates)."""
     D, I = DIMS[1]
     T = 70
     rng = rng_for("moe-batch-mates", variant, wtype)
     x = bf16(rng, (T, D))
     ids, w, _ = routing_with_hot(rng, T)
     op = op_for(wtype, D, I, variant)
-    tiled = variant in ("amx", "amx_emulated")
-    if tiled:
-        set_amx_min_tokens(1)
+    set_amx_min_tokens(1)  # the batch-invariant setting (build.configure_cpu under policy.decode.batch_invariant)
+    set_batch_invariant(True)
     try:
         together = op(x, ids, w)
         alone = torch.cat([op(x[t:t + 1], ids[t:t + 1], w[t:t + 1]) for t in range(T)])
     finally:
-        if tiled:
-            set_amx_min_tokens(AMX_MIN_TOKENS)
+        set_amx_min_tokens(AMX_MIN_TOKENS)
+        set_batch_invariant(False)
     diff = (alone != together).nonzero()
     assert diff.numel() == 0, (f"{variant} {wtype}: token {diff[0, 0].item()} differs alone and in the batch "
                                f"(hidden unit {diff[0, 1].item()}); {seed_note()}")
