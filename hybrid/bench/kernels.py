@@ -222,18 +222,20 @@ def plot(records: list[Record], png: Path) -> Optional[Path]:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    panels = [p for p, recs in (("gemm", gemms), ("moe", layers)) if recs]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
+    panels = [(p, recs) for p, recs in (("gemm", gemms), ("moe", layers)) if recs]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 6), squeeze=False)
+    for ax, (panel, recs) in zip(axes[0], panels):
         if panel == "gemm":
-            _gemm_panel(ax, gemms, next((r.value for r in records if r.name == "read_roof"), None))
+            _gemm_panel(ax, recs, next((r.value for r in records if r.name == "read_roof"), None))
         else:
-            _moe_panel(ax, layers)
+            _moe_panel(ax, recs)
         ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 1, 2, 4 ... tokens, not powers
+        ax.set_xticks(sorted({r.m for r in recs}))  # the token counts measured, as numbers
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%d"))
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
@@ -258,6 +260,9 @@ def _gemm_panel(ax, recs: list[Record], roof_gbs: Optional[float]) -> None:
         ms = sorted({r.m for r in recs})
         ax.plot(ms, [2 * m * roof_gbs / 1e3 for m in ms], linestyle="--", color="grey",
                 label=f"FP8 memory roof ({roof_gbs:.0f} GB/s, best reading)")
+        tflops = [r.extra["tflops"] for r in recs]
+        ax.set_yscale("log")
+        ax.set_ylim(min(tflops) / 2, 3 * max(tflops))  # the roof climbs far past compute-bound kernels
     ax.set(xlabel="tokens M", ylabel="TFLOP/s", title="FP8 GEMMs (cold weights)")
 
 

@@ -384,19 +384,15 @@ void outer_rows(const GemmProblem& p, const uint16_t* xp, int64_t n0, int64_t n1
         const int64_t r = lo(n + 16 * g, n1 - 1);  // a group's rows lie in one 128-row block (n is a multiple of 16)
         s[g] = _mm512_set1_ps(p.scale ? p.scale[(r / kBlock) * p.lds + kb] : 1.0f);
       }
-      const uint32_t* xb = x + kb * kOuterPairs;
-      float* yb = p.y + n;
+      auto tokens = [&, xb = x + kb * kOuterPairs, yb = p.y + n](auto mt, int64_t m) {  // tokens m .. m + mt
+        outer_tile<decltype(mt)::value>(slab, pairs, xb + m * ldx, ldx, valid, s, kb == 0, yb + m * p.ldy, p.ldy);
+        return m + decltype(mt)::value;
+      };
       int64_t m = 0;
-      for (; m + 8 <= p.M; m += 8) outer_tile<8>(slab, pairs, xb + m * ldx, ldx, valid, s, kb == 0, yb + m * p.ldy, p.ldy);
-      if (m + 4 <= p.M) {
-        outer_tile<4>(slab, pairs, xb + m * ldx, ldx, valid, s, kb == 0, yb + m * p.ldy, p.ldy);
-        m += 4;
-      }
-      if (m + 2 <= p.M) {
-        outer_tile<2>(slab, pairs, xb + m * ldx, ldx, valid, s, kb == 0, yb + m * p.ldy, p.ldy);
-        m += 2;
-      }
-      if (m < p.M) outer_tile<1>(slab, pairs, xb + m * ldx, ldx, valid, s, kb == 0, yb + m * p.ldy, p.ldy);
+      while (m + 8 <= p.M) m = tokens(std::integral_constant<int, 8>{}, m);
+      if (m + 4 <= p.M) m = tokens(std::integral_constant<int, 4>{}, m);
+      if (m + 2 <= p.M) m = tokens(std::integral_constant<int, 2>{}, m);
+      if (m < p.M) tokens(std::integral_constant<int, 1>{}, m);
     }
   }
 }
