@@ -322,20 +322,23 @@ inline void transpose16(__m512i (&v)[16]) {
 }
 
 // Rows [n, n + rows) (rows <= 32), K block kb, into slab[pair][32 rows] (32-bit BF16 pairs); missing rows zero.
+// Each row's second 32 lanes wait in L1 while the first 32 are transposed: both in registers at once spilled.
 inline void outer_slab(const Fp8Rows& L, int rows, int64_t kb, int64_t n_chunks, uint32_t* slab) {
+  alignas(64) uint32_t staged[16][16];
   for (int g = 0; g < kOuterRows / 16; ++g)
     for (int64_t c = 2 * kb; c < lo(2 * kb + 2, n_chunks); ++c) {
-      __m512i a[16], b[16];
+      __m512i v[16];
       for (int r = 0; r < 16; ++r) {
-        if (g * 16 + r < rows) L.load(g * 16 + r, c, a[r], b[r]);
-        else a[r] = b[r] = _mm512_setzero_si512();
+        __m512i b = _mm512_setzero_si512();
+        v[r] = b;
+        if (g * 16 + r < rows) L.load(g * 16 + r, c, v[r], b);
+        _mm512_store_si512(staged[r], b);
       }
-      transpose16(a);
-      transpose16(b);
       uint32_t* out = slab + (c - 2 * kb) * 32 * kOuterRows + g * 16;
-      for (int j = 0; j < 16; ++j) {
-        _mm512_store_si512(out + j * kOuterRows, a[j]);
-        _mm512_store_si512(out + (16 + j) * kOuterRows, b[j]);
+      for (int half = 0; half < 2; ++half) {
+        if (half) for (int r = 0; r < 16; ++r) v[r] = _mm512_load_si512(staged[r]);
+        transpose16(v);
+        for (int j = 0; j < 16; ++j) _mm512_store_si512(out + (16 * half + j) * kOuterRows, v[j]);
       }
     }
 }
