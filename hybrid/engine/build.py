@@ -267,6 +267,7 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
             decode = GraphedDecode(model, cache, placed.staging, p.decode.cuda_graphs, p.kv.max_batch, join)
     plan = Plan(device=device, threads=threads, cpu_kernel=selected(p.cpu.kernel) if placed.native else "torch",
                 cpu_gemm_tile_tokens=p.cpu.gemm_tile_tokens, cpu_amx_min_tokens=amx_min_tokens(p),
+                cpu_batch_invariant=p.decode.batch_invariant,
                 moe_backend=p.cpu.moe_backend, cpu_lm_head=cpu_lm_head(p, device, placed.native),
                 deferred_experts=p.cpu.deferred_experts, max_batch=p.kv.max_batch, max_context=p.kv.max_context,
                 batch_cap=p.decode.batch_cap, prefill_chunk_tokens=p.prefill.chunk_tokens,

@@ -21,6 +21,7 @@ class Plan:
     cpu_kernel: str = "auto"  # the ISA variant the native kernels run (resolved: amx | avx512_bf16 | avx512 | avx2 | generic)
     cpu_gemm_tile_tokens: int = 64
     cpu_amx_min_tokens: int = 4
+    cpu_batch_invariant: bool = False  # the CPU kernels keep one form of sums at every token count
     moe_backend: str = "native"
     cpu_lm_head: str = "bf16"  # lm_head's weights without a GPU: bf16 | fp8 (quantised at load)
     deferred_experts: int = 0
@@ -69,7 +70,9 @@ class Plan:
         p = self
         amx = f", AMX from {p.cpu_amx_min_tokens}" if p.cpu_kernel == "amx" else ""
         lines = [f"plan: device {p.device}, {p.threads} CPU threads, CPU kernel {p.cpu_kernel} "
-                 f"(tiles reused from {p.cpu_gemm_tile_tokens} tokens per expert{amx}), experts on {p.moe_backend}"
+                 f"(tiles reused from {p.cpu_gemm_tile_tokens} tokens per expert{amx}"
+                 + ("; batch-invariant: one form of sums at every token count" if p.cpu_batch_invariant else "")
+                 + f"), experts on {p.moe_backend}"
                  + (f", lm_head {p.cpu_lm_head}" if p.device.type == "cpu" else ""),
                  f"  requests: {p.max_batch} KV slots x {p.max_context} tokens, at most {p.batch_cap} running, "
                  f"prefill chunks of {p.prefill_chunk_tokens} tokens, "

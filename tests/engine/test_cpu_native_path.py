@@ -159,8 +159,9 @@ def test_batch_invariance_sets_the_cpu_kernels_one_form(invariant):
     try:
         engine = build(s, s.hw, progress=False)
         want = 1 if invariant else AMX_MIN_TOKENS
-        assert engine.plan.cpu_amx_min_tokens == want
+        assert engine.plan.cpu_amx_min_tokens == want and engine.plan.cpu_batch_invariant == invariant
         assert f"AMX from {want}" in replace(engine.plan, cpu_kernel="amx").describe()
+        assert ("one form of sums at every token count" in engine.plan.describe()) == invariant
         # a 2-token GEMM: on the emulated tiles only under a threshold of 1 or 2, else the generic kernel's bits
         x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         w, sc = fp8_codes(np.random.default_rng(0), (256, 256)), torch.full((2, 2), 1e-2)
