@@ -281,17 +281,18 @@ void rows_tokens_outer(const GemmProblem& p, const uint16_t* xp, int64_t n0, int
 #if !HYBRID_AVX512_NO_BF16
 // The outer-product form (avx512_bf16, from tile_min_m tokens): a zmm's lanes are 16 weight rows, and one
 // vdpbf16ps adds one K pair of each of them for one token, whose pair is broadcast: no lane sums. One 128-wide K
-// block of 32 rows at a time is converted (as the streaming form converts) and transposed into an L1 slab, one
+// block of 32 rows at a time is transposed and converted (as the streaming form converts) into an L1 slab, one
 // zmm per K pair and 16 rows (the VNNI layout); then every token multiplies it, 8 at a time, and each block's sums
 // are scaled into y (y = s * block, then y += s * block). Each output is one chain over its block's pairs in lane
 // order whatever tokens share its tile, so the form is batch-invariant within itself, but it sums in another order
 // than the streaming form: under batch invariance (Tunables) the converted tiles keep the streaming form's sums.
 // Rows are taken 32 at a time from n0, a multiple of 16 (both callers split rows so), so that each group of 16
 // lies in one 128-row scale block.
-// AMD Zen 4 (dev machine, docs/perf-notes.md): the multiply loop alone runs at ~0.95 vdpbf16ps per cycle against
-// ~0.67 for the streaming form's; building the slab (conversion, two 16 x 16 transposes per 16 rows and 64 K,
-// stores) costs about what that saves at 16 tokens, so the form pays from ~48 tokens: 2048 x 7168 and 7168 x 2048
-// GEMMs 1.12-1.23x the streaming form at 64 tokens, 1.43-1.44x the lane-form tiles at 512.
+// AMD Zen 4 (dev machine, docs/perf-notes.md): the multiply loop runs at ~0.85-0.95 vdpbf16ps per cycle against
+// ~0.6-0.67 for the streaming form's; building the slab costs ~0.3 cycles per weight (its ~220 vector operations
+// per 16 rows x 64 K, each zmm one taking its pipe for two cycles there), about what the faster loop saves at 16
+// tokens, so the form pays from ~48 tokens: 2048 x 7168 and 7168 x 2048 GEMMs 1.12-1.23x the streaming form at
+// 64 tokens, 1.43-1.44x the lane-form tiles at 512.
 constexpr int kOuterRows = 32;                         // rows per pass: two groups of 16
 constexpr int64_t kOuterPairs = kBlock / 2;            // K pairs per block
 static_assert(kOuterSlabElems == kOuterPairs * kOuterRows * 2, "gemm.h's slab size");
@@ -321,24 +322,36 @@ inline void transpose16(__m512i (&v)[16]) {
   for (int j = 0; j < 16; ++j) v[j] = t[j];
 }
 
-// Rows [n, n + rows) (rows <= 32), K block kb, into slab[pair][32 rows] (32-bit BF16 pairs); missing rows zero.
-// Each row's second 32 lanes wait in L1 while the first 32 are transposed: both in registers at once spilled.
-inline void outer_slab(const Fp8Rows& L, int rows, int64_t kb, int64_t n_chunks, uint32_t* slab) {
-  alignas(64) uint32_t staged[16][16];
+// Rows [n, n + rows) (rows <= 32), K block kb, into slab[pair][32 rows] (32-bit BF16 pairs, pairs in the
+// activations' lane order); missing rows zero. The FP8 bytes are transposed before the conversion, at half the
+// size: 4-byte units (K 4j .. 4j + 3) of 16 rows into one register per j, each 128-bit lane's 4 rows reordered so
+// that the conversion's byte unpacks give pair (4j, 4j + 1) of the 16 rows in one register and (4j + 2, 4j + 3)
+// in the other.
+inline void outer_slab(const uint8_t* w, int64_t ldw, int64_t K, const Tables& t, int64_t prefetch, int rows,
+                       int64_t kb, int64_t n_chunks, uint32_t* slab) {
+  // per 128-bit lane: [r0 k0 k1, r1 k0 k1, r2 k0 k1, r3 k0 k1, r0 k2 k3, ...] from [r0 k0..k3, r1 k0..k3, ...]
+  const __m512i pairs_first = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11,
+                                                                    14, 15));
   for (int g = 0; g < kOuterRows / 16; ++g)
     for (int64_t c = 2 * kb; c < lo(2 * kb + 2, n_chunks); ++c) {
+      const int64_t left = K - c * kChunk;
       __m512i v[16];
       for (int r = 0; r < 16; ++r) {
-        __m512i b = _mm512_setzero_si512();
-        v[r] = b;
-        if (g * 16 + r < rows) L.load(g * 16 + r, c, v[r], b);
-        _mm512_store_si512(staged[r], b);
+        const uint8_t* p = w + (g * 16 + r) * ldw + c * kChunk;
+        if (g * 16 + r >= rows) {
+          v[r] = _mm512_setzero_si512();
+          continue;
+        }
+        if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(p + prefetch), _MM_HINT_T1);
+        v[r] = left >= kChunk ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(tail_mask(left), p);
       }
+      transpose16(v);  // v[j]: K 4j .. 4j + 3 of the 16 rows
       uint32_t* out = slab + (c - 2 * kb) * 32 * kOuterRows + g * 16;
-      for (int half = 0; half < 2; ++half) {
-        if (half) for (int r = 0; r < 16; ++r) v[r] = _mm512_load_si512(staged[r]);
-        transpose16(v);
-        for (int j = 0; j < 16; ++j) _mm512_store_si512(out + (16 * half + j) * kOuterRows, v[j]);
+      for (int j = 0; j < 16; ++j) {
+        __m512i a, b;
+        fp8_to_bf16(t, _mm512_shuffle_epi8(v[j], pairs_first), a, b);
+        _mm512_store_si512(out + lane_of_k(4 * j) / 2 * kOuterRows, a);
+        _mm512_store_si512(out + lane_of_k(4 * j + 2) / 2 * kOuterRows, b);
       }
     }
 }
@@ -376,11 +389,11 @@ void outer_rows(const GemmProblem& p, const uint16_t* xp, int64_t n0, int64_t n1
   const auto* x = reinterpret_cast<const uint32_t*>(xp);
   for (int64_t n = n0; n < n1; n += kOuterRows) {
     const int rows = int(lo(kOuterRows, n1 - n));
-    const Fp8Rows L{w + n * p.ldw, p.ldw, p.K, &tables(), kOuterRows * p.ldw};  // the next pass's same spot
     __mmask16 valid[2];
     for (int g = 0; g < 2; ++g) valid[g] = __mmask16(tail_mask(hi(0, lo(16, rows - 16 * g))));
     for (int64_t kb = 0; kb * kBlock < p.K; ++kb) {
-      outer_slab(L, rows, kb, n_chunks, slab);
+      outer_slab(w + n * p.ldw, p.ldw, p.K, tables(), kOuterRows * p.ldw, rows, kb, n_chunks, slab);  // prefetch:
+      // the next pass's same spot
       const int64_t pairs = (lo(2 * kb + 2, n_chunks) - 2 * kb) * 32;
       __m512 s[2];
       for (int g = 0; g < 2; ++g) {
