@@ -149,7 +149,7 @@ def test_fp8_every_code_exact(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fp8_subnormals_and_negative_zero(variant):
     """Weights made only of subnormal codes and ±0 (0x00, 0x80), random scales: through the normal bound."""
-    for N, K, M in [(130, 257, 1), (130, 257, 3), (64, 200, 16), (257, 130, 9)]:
+    for N, K, M in [(130, 257, 1), (130, 257, 3), (64, 200, 16), (257, 130, 9), (130, 257, 66)]:
         rng = rng_for("subnormal", variant, N, K, M)
         w, s = weights(rng, N, K, "fp8", SUBNORMAL_CODES + ZERO_CODES)
         assert (w.view(torch.uint8) == 0x80).any() and (w.view(torch.uint8) == 0x01).any()
@@ -163,7 +163,7 @@ def test_fp8_subnormals_and_negative_zero(variant):
 def test_strided_operands(variant, wtype):
     """x, w, scale and y as slices of wider tensors (row stride > row length, shifted start): correct, and the
     columns of y's parent outside the slice stay untouched."""
-    for M, N, K in [(1, 130, 257), (5, 200, 300), (20, 64, 128)]:
+    for M, N, K in [(1, 130, 257), (5, 200, 300), (20, 64, 128), (70, 130, 257)]:  # 70: the converted tiles
         rng = rng_for("strided", variant, wtype, M, N, K)
         x = bf16(rng, (M, K + 37))[:, 5:5 + K]
         w_full, s_full = weights(rng, N, K + 150, wtype)
