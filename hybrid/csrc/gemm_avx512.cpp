@@ -291,7 +291,7 @@ void rows_tokens_outer(const GemmProblem& p, const uint16_t* xp, int64_t n0, int
 // AMD Zen 4 (dev machine, docs/perf-notes.md): the multiply loop runs at ~0.85-0.95 vdpbf16ps per cycle against
 // ~0.6-0.67 for the streaming form's; building the slab costs ~0.3-0.37 cycles per weight (~220 vector operations
 // per 16 rows x 64 K: ~1.4 cycles each), about what the faster loop saves at 16 tokens, so the form pays from ~48
-// tokens: 2048 x 7168 and 7168 x 2048 GEMMs 1.12-1.23x the streaming form at 64 tokens, 1.43-1.44x the lane-form
+// tokens: 2048 x 7168 and 7168 x 2048 GEMMs 1.12-1.24x the streaming form at 64 tokens, 1.43-1.44x the lane-form
 // tiles at 512.
 constexpr int kOuterRows = 32;                         // rows per pass: two groups of 16
 constexpr int64_t kOuterPairs = kBlock / 2;            // K pairs per block
