@@ -23,8 +23,8 @@ from hybrid.engine.engine import Engine
 from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, place
 from hybrid.engine.plan import Plan
 from hybrid.engine.requests import SamplingParams
-from hybrid.kernels.fp8_linear import DEFAULT_GEMM, CpuFp8Gemm, Fp8Gemm
 from hybrid.kernels.dispatch import available
+from hybrid.kernels.fp8_linear import DEFAULT_GEMM, CpuFp8Gemm, Fp8Gemm
 from hybrid.kernels.gemm import AMX_MIN_TOKENS, gemm, set_amx_min_tokens, set_batch_invariant
 from hybrid.model.attention import MLA
 from hybrid.model.layers import Linear

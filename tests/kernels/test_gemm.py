@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
+from hybrid.config.schema import CpuPolicy
 from hybrid.kernels import dispatch
 from hybrid.kernels.cpu_features import cpu_features
-from hybrid.config.schema import CpuPolicy
 from hybrid.kernels.gemm import gemm, set_batch_invariant, set_tile_min_tokens
 from hybrid.kernels.thread_pool import set_threads, threads
 from tests.kernels.common import (FP8, SUBNORMAL_CODES, VALID_CODES, ZERO_CODES, bf16, block_scales, dense64,
