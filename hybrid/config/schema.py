@@ -126,7 +126,8 @@ class CpuPolicy:
     threads: Optional[int] = None  # threads of the kernels; null = the profile's physical cores, else the machine's
     kernel: Optional[str] = None  # ISA: null (HYBRID_CPU_KERNEL, else the best) | amx | avx512_bf16 | avx512 | avx2 | generic
     moe_backend: str = "native"  # routed experts: native (the C++ CPU kernels) | torch (reference path)
-    gemm_tile_tokens: int = 64  # tokens per expert from which FP8 tiles are converted once and reused
+    gemm_tile_tokens: Optional[int] = None  # tokens per expert from which FP8 tiles are converted once and reused;
+    # null = 16 where avx512_bf16 multiplies them in the outer-product form, 64 elsewhere and under batch_invariant
     amx_min_tokens: Optional[int] = None  # kernel amx: tokens per expert from which AMX tiles run; null = 4 (H200
     # host: AMX ahead from 4), 1 under decode.batch_invariant (every expert call on tiles)
     deferred_experts: int = 0  # experts deferred to overlap the next layer (changes outputs slightly)
@@ -137,8 +138,7 @@ class CpuPolicy:
         _one_of(self, "cpu", "lm_head", ("bf16", "fp8"))
         _one_of(self, "cpu", "kernel", (None, *KERNELS))
         _one_of(self, "cpu", "moe_backend", ("native", "torch"))
-        _at_least(self, "cpu", 1, "gemm_tile_tokens")
-        _at_least(self, "cpu", 1, "amx_min_tokens", optional=True)
+        _at_least(self, "cpu", 1, "gemm_tile_tokens", "amx_min_tokens", optional=True)
         _at_least(self, "cpu", 0, "deferred_experts")
 
 

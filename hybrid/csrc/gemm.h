@@ -59,8 +59,9 @@ void convert_rows_avx512_nobf16(const GemmProblem& p, int64_t n, int64_t count, 
                                 int64_t prefetch, uint16_t* buf, int64_t ld);
 // Scratch the AVX-512 prefill path needs per thread (a converted weight tile), in uint16 elements.
 constexpr int64_t kTileRows = 16;
-// The avx512_bf16 outer-product form's slab: one 128-wide K block of 32 rows, as 32-bit BF16 pairs.
-constexpr int64_t kOuterSlabElems = 2 * 32 * 64;
+// The avx512_bf16 outer-product form's slabs: one 128-wide K block of 32 rows, as 32-bit BF16 pairs; two of them
+// (one multiplied while the next is built).
+constexpr int64_t kOuterSlabElems = 2 * 2 * 32 * 64;
 static inline int64_t tile_buf_elems(int64_t K) {
   return kTileRows * padded_k(K) > kOuterSlabElems ? kTileRows * padded_k(K) : kOuterSlabElems;
 }
@@ -70,7 +71,7 @@ struct Tunables {
   // From this many tokens on, the AVX-512 FP8 path converts each weight tile to BF16 once and reuses it for every
   // token (on avx512_bf16 in the outer-product form, unless batch_invariant); below it, weights are converted as
   // they stream by (shared across up to 8 tokens on the AVX-512 BF16 kernel, 4 on the others).
-  int64_t tile_min_m = 64;
+  int64_t tile_min_m = 64;  // hybrid/kernels/gemm.py TILE_MIN_TOKENS (policy.cpu.gemm_tile_tokens resolves it)
   // Every output by the same operations whatever its batch (policy.decode.batch_invariant): avx512_bf16's
   // converted tiles then keep the streaming form's sums, not the faster outer-product form's.
   bool batch_invariant = false;

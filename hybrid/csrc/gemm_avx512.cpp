@@ -295,72 +295,87 @@ void rows_tokens_outer(const GemmProblem& p, const uint16_t* xp, int64_t n0, int
 // tiles at 512.
 constexpr int kOuterRows = 32;                         // rows per pass: two groups of 16
 constexpr int64_t kOuterPairs = kBlock / 2;            // K pairs per block
-static_assert(kOuterSlabElems == kOuterPairs * kOuterRows * 2, "gemm.h's slab size");
+static_assert(kOuterSlabElems == 2 * kOuterPairs * kOuterRows * 2, "gemm.h's slab size");
 
-// v[r] lane j -> v[j] lane r (16 x 16 32-bit elements).
-inline void transpose16(__m512i (&v)[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // v[4i + e], 128-bit lane L: element 4L + e of rows 4i .. 4i + 3
-    v[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    v[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    v[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    v[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int e = 0; e < 4; ++e) {  // the 128-bit lanes: element 4L + e of all 16 rows
-    const __m512i a = _mm512_shuffle_i32x4(v[e], v[4 + e], 0x44), b = _mm512_shuffle_i32x4(v[e], v[4 + e], 0xEE);
-    const __m512i c = _mm512_shuffle_i32x4(v[8 + e], v[12 + e], 0x44);
-    const __m512i d = _mm512_shuffle_i32x4(v[8 + e], v[12 + e], 0xEE);
-    t[e] = _mm512_shuffle_i32x4(a, c, 0x88);
-    t[4 + e] = _mm512_shuffle_i32x4(a, c, 0xDD);
-    t[8 + e] = _mm512_shuffle_i32x4(b, d, 0x88);
-    t[12 + e] = _mm512_shuffle_i32x4(b, d, 0xDD);
-  }
-  for (int j = 0; j < 16; ++j) v[j] = t[j];
-}
+// Builds one block's slab: rows [n, n + rows) (rows <= 32), K block kb, into slab[pair][32 rows] (32-bit BF16
+// pairs, pairs in the activations' lane order; missing rows zero), in steps small enough to run between the
+// previous slab's products (a step uses ~10 registers beside the products' 19). The FP8 bytes are transposed
+// before the conversion, at half the size: 4-byte units (K 4j .. 4j + 3) of 16 rows into one register per j, each
+// 128-bit lane's 4 rows reordered so that the conversion's byte unpacks give pair (4j, 4j + 1) of the 16 rows in
+// one register and (4j + 2, 4j + 3) in the other. Per 16 rows and 64 K: steps 0-3 load 4 rows each and interleave
+// them within 128-bit lanes (into L1), steps 4-7 gather 4 registers each across the lanes, convert and store them.
+struct SlabBuilder {
+  const uint8_t* w;
+  int64_t ldw, K, prefetch, n_chunks;
+  int rows;
+  const Tables* t;
+  int64_t kb = 0;
+  uint32_t* slab = nullptr;
+  int step_ = 0, steps = 0, chunks = 0;
+  alignas(64) uint32_t stage[16][16];
 
-// Rows [n, n + rows) (rows <= 32), K block kb, into slab[pair][32 rows] (32-bit BF16 pairs, pairs in the
-// activations' lane order); missing rows zero. The FP8 bytes are transposed before the conversion, at half the
-// size: 4-byte units (K 4j .. 4j + 3) of 16 rows into one register per j, each 128-bit lane's 4 rows reordered so
-// that the conversion's byte unpacks give pair (4j, 4j + 1) of the 16 rows in one register and (4j + 2, 4j + 3)
-// in the other.
-inline void outer_slab(const uint8_t* w, int64_t ldw, int64_t K, const Tables& t, int64_t prefetch, int rows,
-                       int64_t kb, int64_t n_chunks, uint32_t* slab) {
-  // per 128-bit lane: [r0 k0 k1, r1 k0 k1, r2 k0 k1, r3 k0 k1, r0 k2 k3, ...] from [r0 k0..k3, r1 k0..k3, ...]
-  const __m512i pairs_first = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11,
-                                                                    14, 15));
-  for (int g = 0; g < kOuterRows / 16; ++g)
-    for (int64_t c = 2 * kb; c < lo(2 * kb + 2, n_chunks); ++c) {
+  void start(int64_t block, uint32_t* to) {
+    kb = block, slab = to, step_ = 0;
+    chunks = int(lo(2 * kb + 2, n_chunks) - 2 * kb);
+    steps = kOuterRows / 16 * chunks * 8;
+  }
+  void finish() {
+    while (step_ < steps) step();
+  }
+  void step() {
+    if (step_ >= steps) return;
+    const int part = step_ % 8, combo = step_ / 8, g = combo / chunks;
+    const int64_t c = 2 * kb + combo % chunks;
+    ++step_;
+    if (part < 4) {  // rows 4 part .. 4 part + 3: element 4L + e of the 4 rows in 128-bit lane L of stage[4 part + e]
+      __m512i v[4];
       const int64_t left = K - c * kChunk;
-      __m512i v[16];
-      for (int r = 0; r < 16; ++r) {
-        const uint8_t* p = w + (g * 16 + r) * ldw + c * kChunk;
-        if (g * 16 + r >= rows) {
-          v[r] = _mm512_setzero_si512();
+      for (int i = 0; i < 4; ++i) {
+        const int r = g * 16 + 4 * part + i;
+        const uint8_t* p = w + r * ldw + c * kChunk;
+        if (r >= rows) {
+          v[i] = _mm512_setzero_si512();
           continue;
         }
         if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(p + prefetch), _MM_HINT_T1);
-        v[r] = left >= kChunk ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(tail_mask(left), p);
+        v[i] = left >= kChunk ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(tail_mask(left), p);
       }
-      transpose16(v);  // v[j]: K 4j .. 4j + 3 of the 16 rows
-      uint32_t* out = slab + (c - 2 * kb) * 32 * kOuterRows + g * 16;
-      for (int j = 0; j < 16; ++j) {
-        __m512i a, b;
-        fp8_to_bf16(t, _mm512_shuffle_epi8(v[j], pairs_first), a, b);
-        _mm512_store_si512(out + lane_of_k(4 * j) / 2 * kOuterRows, a);
-        _mm512_store_si512(out + lane_of_k(4 * j + 2) / 2 * kOuterRows, b);
-      }
+      const __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
+      const __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
+      _mm512_store_si512(stage[4 * part], _mm512_unpacklo_epi64(t0, t2));
+      _mm512_store_si512(stage[4 * part + 1], _mm512_unpackhi_epi64(t0, t2));
+      _mm512_store_si512(stage[4 * part + 2], _mm512_unpacklo_epi64(t1, t3));
+      _mm512_store_si512(stage[4 * part + 3], _mm512_unpackhi_epi64(t1, t3));
+      return;
     }
-}
+    // e = part - 4: K units j = e, 4 + e, 8 + e, 12 + e (128-bit lane L of every row from stage[4 i + e], i = L)
+    const int e = part - 4;
+    const __m512i s0 = _mm512_load_si512(stage[e]), s1 = _mm512_load_si512(stage[4 + e]);
+    const __m512i s2 = _mm512_load_si512(stage[8 + e]), s3 = _mm512_load_si512(stage[12 + e]);
+    const __m512i a = _mm512_shuffle_i32x4(s0, s1, 0x44), b = _mm512_shuffle_i32x4(s0, s1, 0xEE);
+    const __m512i cc = _mm512_shuffle_i32x4(s2, s3, 0x44), d = _mm512_shuffle_i32x4(s2, s3, 0xEE);
+    const __m512i u[4] = {_mm512_shuffle_i32x4(a, cc, 0x88), _mm512_shuffle_i32x4(a, cc, 0xDD),
+                          _mm512_shuffle_i32x4(b, d, 0x88), _mm512_shuffle_i32x4(b, d, 0xDD)};
+    // per 128-bit lane: [r0 k0 k1, r1 k0 k1, r2 k0 k1, r3 k0 k1, r0 k2 k3, ...] from [r0 k0..k3, r1 k0..k3, ...]
+    const __m512i pairs_first = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11,
+                                                                      14, 15));
+    uint32_t* out = slab + (c - 2 * kb) * 32 * kOuterRows + g * 16;
+    for (int i = 0; i < 4; ++i) {
+      const int j = 4 * i + e;
+      __m512i lo16, hi16;
+      fp8_to_bf16(*t, _mm512_shuffle_epi8(u[i], pairs_first), lo16, hi16);
+      _mm512_store_si512(out + lane_of_k(4 * j) / 2 * kOuterRows, lo16);
+      _mm512_store_si512(out + lane_of_k(4 * j + 2) / 2 * kOuterRows, hi16);
+    }
+  }
+};
 
-// MT tokens (x: token 0's pairs of this block, ldx apart) against the slab's `pairs` pairs; each block's sums
-// scaled into y's 32 rows (valid: a mask per group; s: each group's scale), `first`: the call's first block.
+// MT tokens (x: token 0's pairs of this block, ldx apart) against the slab's `pairs` pairs, a step of the next
+// slab's build every 4 pairs; each block's sums scaled into y's 32 rows (valid: a mask per group; s: each group's
+// scale), `first`: the call's first block.
 template <int MT>
 void outer_tile(const uint32_t* slab, int64_t pairs, const uint32_t* x, int64_t ldx, const __mmask16 (&valid)[2],
-                const __m512 (&s)[2], bool first, float* y, int64_t ldy) {
+                const __m512 (&s)[2], bool first, float* y, int64_t ldy, SlabBuilder& next) {
   __m512 acc[2][MT];
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
@@ -371,6 +386,7 @@ void outer_tile(const uint32_t* slab, int64_t pairs, const uint32_t* x, int64_t 
       acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)w0, (__m512bh)b);
       acc[1][m] = _mm512_dpbf16_ps(acc[1][m], (__m512bh)w1, (__m512bh)b);
     }
+    if ((q & 3) == 3) next.step();
   }
   for (int g = 0; g < 2; ++g) {
     if (!valid[g]) continue;
@@ -383,17 +399,21 @@ void outer_tile(const uint32_t* slab, int64_t pairs, const uint32_t* x, int64_t 
   }
 }
 
-void outer_rows(const GemmProblem& p, const uint16_t* xp, int64_t n0, int64_t n1, uint32_t* slab) {
+void outer_rows(const GemmProblem& p, const uint16_t* xp, int64_t n0, int64_t n1, uint32_t* slabs) {
   const auto* w = static_cast<const uint8_t*>(p.w);
-  const int64_t ldx = padded_k(p.K) / 2, n_chunks = (p.K + kChunk - 1) / kChunk;
+  const int64_t ldx = padded_k(p.K) / 2, n_chunks = (p.K + kChunk - 1) / kChunk, n_blocks = (p.K + kBlock - 1) / kBlock;
   const auto* x = reinterpret_cast<const uint32_t*>(xp);
   for (int64_t n = n0; n < n1; n += kOuterRows) {
     const int rows = int(lo(kOuterRows, n1 - n));
+    // prefetch: the next pass's same spot
+    SlabBuilder next{w + n * p.ldw, p.ldw, p.K, kOuterRows * p.ldw, n_chunks, rows, &tables()};
     __mmask16 valid[2];
     for (int g = 0; g < 2; ++g) valid[g] = __mmask16(tail_mask(hi(0, lo(16, rows - 16 * g))));
-    for (int64_t kb = 0; kb * kBlock < p.K; ++kb) {
-      outer_slab(w + n * p.ldw, p.ldw, p.K, tables(), kOuterRows * p.ldw, rows, kb, n_chunks, slab);  // prefetch:
-      // the next pass's same spot
+    next.start(0, slabs);
+    next.finish();
+    for (int64_t kb = 0; kb < n_blocks; ++kb) {
+      const uint32_t* slab = slabs + (kb & 1) * kOuterPairs * kOuterRows;
+      if (kb + 1 < n_blocks) next.start(kb + 1, slabs + ((kb + 1) & 1) * kOuterPairs * kOuterRows);
       const int64_t pairs = (lo(2 * kb + 2, n_chunks) - 2 * kb) * 32;
       __m512 s[2];
       for (int g = 0; g < 2; ++g) {
@@ -401,7 +421,8 @@ void outer_rows(const GemmProblem& p, const uint16_t* xp, int64_t n0, int64_t n1
         s[g] = _mm512_set1_ps(p.scale ? p.scale[(r / kBlock) * p.lds + kb] : 1.0f);
       }
       auto tokens = [&, xb = x + kb * kOuterPairs, yb = p.y + n](auto mt, int64_t m) {  // tokens m .. m + mt
-        outer_tile<decltype(mt)::value>(slab, pairs, xb + m * ldx, ldx, valid, s, kb == 0, yb + m * p.ldy, p.ldy);
+        outer_tile<decltype(mt)::value>(slab, pairs, xb + m * ldx, ldx, valid, s, kb == 0, yb + m * p.ldy, p.ldy,
+                                        next);
         return m + decltype(mt)::value;
       };
       int64_t m = 0;
@@ -409,6 +430,7 @@ void outer_rows(const GemmProblem& p, const uint16_t* xp, int64_t n0, int64_t n1
       if (m + 4 <= p.M) m = tokens(std::integral_constant<int, 4>{}, m);
       if (m + 2 <= p.M) m = tokens(std::integral_constant<int, 2>{}, m);
       if (m < p.M) tokens(std::integral_constant<int, 1>{}, m);
+      next.finish();  // the rest of the next slab (the last block's start left none)
     }
   }
 }

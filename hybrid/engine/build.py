@@ -29,7 +29,8 @@ from hybrid.engine.streams import prefill_sms
 from hybrid.errors import ConfigError
 from hybrid.kernels import combine, fp8_linear, pointwise, thread_pool
 from hybrid.kernels.dispatch import kernel_name, selected
-from hybrid.kernels.gemm import AMX_MIN_TOKENS, set_amx_min_tokens, set_batch_invariant, set_tile_min_tokens
+from hybrid.kernels.gemm import (AMX_MIN_TOKENS, OUTER_MIN_TOKENS, TILE_MIN_TOKENS, set_amx_min_tokens,
+                                 set_batch_invariant, set_tile_min_tokens)
 from hybrid.model.transformer import Transformer
 from hybrid.prefill.ring import expert_tensors, layout
 from hybrid.prefill.slp import StreamLoader, group_size
@@ -61,6 +62,20 @@ def amx_min_tokens(p: PolicyConfig) -> int:
     return 1 if p.decode.batch_invariant else AMX_MIN_TOKENS
 
 
+def gemm_tile_tokens(p: PolicyConfig) -> int:
+    """policy.cpu.gemm_tile_tokens, else the measured threshold of the form the converted tiles take here:
+    OUTER_MIN_TOKENS where avx512_bf16 multiplies them in the outer-product form, TILE_MIN_TOKENS where they keep the
+    streaming form's sums (variant avx512; avx512_bf16 under policy.decode.batch_invariant; the other variants do
+    not read it)."""
+    if p.cpu.gemm_tile_tokens is not None:
+        return p.cpu.gemm_tile_tokens
+    try:
+        outer = selected(p.cpu.kernel) == "avx512_bf16" and not p.decode.batch_invariant
+    except ValueError:  # a variant this CPU lacks: the engine's build says so
+        outer = False
+    return OUTER_MIN_TOKENS if outer else TILE_MIN_TOKENS
+
+
 def configure_cpu(threads: int, p: PolicyConfig) -> None:
     """The native kernels' process-wide settings (one thread pool per process) and torch's intra-op threads, from
     the plan, once per engine. One count for both: without a GPU they take turns within a step (placement runs the
@@ -69,7 +84,7 @@ def configure_cpu(threads: int, p: PolicyConfig) -> None:
     of sums at every token count (amx_min_tokens, set_batch_invariant)."""
     torch.set_num_threads(threads)
     thread_pool.set_threads(threads)
-    set_tile_min_tokens(p.cpu.gemm_tile_tokens)
+    set_tile_min_tokens(gemm_tile_tokens(p))
     set_amx_min_tokens(amx_min_tokens(p))
     set_batch_invariant(p.decode.batch_invariant)
 
@@ -266,7 +281,7 @@ def assemble(placed: Placed, s: HybridConfig, hw: HwConfig, previous: Optional[E
 
             decode = GraphedDecode(model, cache, placed.staging, p.decode.cuda_graphs, p.kv.max_batch, join)
     plan = Plan(device=device, threads=threads, cpu_kernel=selected(p.cpu.kernel) if placed.native else "torch",
-                cpu_gemm_tile_tokens=p.cpu.gemm_tile_tokens, cpu_amx_min_tokens=amx_min_tokens(p),
+                cpu_gemm_tile_tokens=gemm_tile_tokens(p), cpu_amx_min_tokens=amx_min_tokens(p),
                 cpu_batch_invariant=p.decode.batch_invariant,
                 moe_backend=p.cpu.moe_backend, cpu_lm_head=cpu_lm_head(p, device, placed.native),
                 deferred_experts=p.cpu.deferred_experts, max_batch=p.kv.max_batch, max_context=p.kv.max_context,

@@ -25,7 +25,8 @@ from hybrid.engine.plan import Plan
 from hybrid.engine.requests import SamplingParams
 from hybrid.kernels.dispatch import available
 from hybrid.kernels.fp8_linear import DEFAULT_GEMM, CpuFp8Gemm, Fp8Gemm
-from hybrid.kernels.gemm import AMX_MIN_TOKENS, gemm, set_amx_min_tokens, set_batch_invariant
+from hybrid.kernels.gemm import (AMX_MIN_TOKENS, OUTER_MIN_TOKENS, TILE_MIN_TOKENS, gemm, set_amx_min_tokens,
+                                 set_batch_invariant, set_tile_min_tokens)
 from hybrid.model.attention import MLA
 from hybrid.model.layers import Linear
 from hybrid.weights import fp8
@@ -154,25 +155,29 @@ def test_batch_invariance_sets_the_cpu_kernels_one_form(invariant):
     """Under policy.decode.batch_invariant the kernels keep one form of sums at every token count: amx_min_tokens
     null resolves to 1 (every expert call on AMX tiles, which round differently from the AVX-512 kernel below the
     threshold: tests/kernels/test_amx.py), else to AMX_MIN_TOKENS; and avx512_bf16's converted tiles keep the
-    streaming form's sums (tests/kernels/test_gemm.py). The plan, its banner and the native settings say so."""
+    streaming form's sums (tests/kernels/test_gemm.py), from TILE_MIN_TOKENS (gemm_tile_tokens null), where the
+    outer-product form starts at OUTER_MIN_TOKENS. The plan, its banner and the native settings say so."""
     s = to_settings(compose(["+hw=cpu_only", f"policy.decode.batch_invariant={str(invariant).lower()}"]))
     try:
         engine = build(s, s.hw, progress=False)
         want = 1 if invariant else AMX_MIN_TOKENS
         assert engine.plan.cpu_amx_min_tokens == want and engine.plan.cpu_batch_invariant == invariant
+        outer = engine.plan.cpu_kernel == "avx512_bf16" and not invariant  # the outer-product form's threshold
+        assert engine.plan.cpu_gemm_tile_tokens == (OUTER_MIN_TOKENS if outer else TILE_MIN_TOKENS)
         assert f"AMX from {want}" in replace(engine.plan, cpu_kernel="amx").describe()
         assert ("one form of sums at every token count" in engine.plan.describe()) == invariant
         # a 2-token GEMM: on the emulated tiles only under a threshold of 1 or 2, else the generic kernel's bits
         x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         w, sc = fp8_codes(np.random.default_rng(0), (256, 256)), torch.full((2, 2), 1e-2)
         assert torch.equal(gemm(x, w, sc, kernel="amx_emulated"), gemm(x, w, sc, kernel="generic")) != invariant
-        if "avx512_bf16" in available():  # a token alone and in a batch of gemm_tile_tokens (64)
+        if "avx512_bf16" in available():  # a token alone and in a batch of 64: on the converted tiles either way
             x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
             alone, batch = gemm(x[:1], w, sc, kernel="avx512_bf16"), gemm(x, w, sc, kernel="avx512_bf16")[:1]
             assert torch.equal(alone, batch) == invariant
     finally:
         set_amx_min_tokens(AMX_MIN_TOKENS)
         set_batch_invariant(False)
+        set_tile_min_tokens(TILE_MIN_TOKENS)
 
 
 def _engine_decode(engine, prompt: list[int], tokens: Optional[list[int]] = None):

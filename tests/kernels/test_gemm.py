@@ -19,10 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid.config.schema import CpuPolicy
 from hybrid.kernels import dispatch
 from hybrid.kernels.cpu_features import cpu_features
-from hybrid.kernels.gemm import gemm, set_batch_invariant, set_tile_min_tokens
+from hybrid.kernels.gemm import OUTER_MIN_TOKENS, TILE_MIN_TOKENS, gemm, set_batch_invariant, set_tile_min_tokens
 from hybrid.kernels.thread_pool import set_threads, threads
 from tests.kernels.common import (FP8, SUBNORMAL_CODES, VALID_CODES, ZERO_CODES, bf16, block_scales, dense64,
                                   fp8_codes, record, rel_errors, rng_for, seed_note)
@@ -221,7 +220,7 @@ def _problem():
 def tiles():
     """Yields (set_tile_min_tokens, set_batch_invariant) for one test; the defaults are back after it."""
     yield set_tile_min_tokens, set_batch_invariant
-    set_tile_min_tokens(CpuPolicy().gemm_tile_tokens)
+    set_tile_min_tokens(TILE_MIN_TOKENS)
     set_batch_invariant(False)
 
 
@@ -276,7 +275,7 @@ def test_outer_form_is_batch_invariant_within_itself(tiles):
     for M in [2, 3, 5, 8, 9, 13, 16, 64, 70]:
         diff = (gemm(x[:M], w, s, kernel="avx512_bf16") != alone[:M]).nonzero()
         assert diff.numel() == 0, f"M={M}: token {diff[0, 0].item()} row {diff[0, 1].item()} differs alone"
-    tiles[0](CpuPolicy().gemm_tile_tokens)
+    tiles[0](OUTER_MIN_TOKENS)
     assert not torch.equal(gemm(x[:1], w, s, kernel="avx512_bf16"), gemm(x[:64], w, s, kernel="avx512_bf16")[:1])
 
 

@@ -48,7 +48,7 @@ def test_space_from_conf_resolved_for_the_machine(tune_cfg):
     assert space["cpu.kernel"]["choices"] == [None, "avx2", "generic"]  # the AVX-512 ones dropped: this CPU lacks them
     no_bf16 = sp.resolve(cfg, False, cores=4, kernels=["avx512", "avx2", "generic"])  # AVX-512 without BF16
     assert no_bf16["cpu.kernel"]["choices"] == [None, "avx512", "avx2", "generic"]
-    assert space["cpu.gemm_tile_tokens"]["choices"] == [8, 16, 32, 64, 128]
+    assert space["cpu.gemm_tile_tokens"]["choices"] == [None, 8, 16, 32, 64, 128]
     assert space["cpu.moe_backend"]["choices"] == ["native", "torch"]
 
 
