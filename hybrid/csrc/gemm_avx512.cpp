@@ -289,10 +289,10 @@ void rows_tokens_outer(const GemmProblem& p, const uint16_t* xp, int64_t n0, int
 // Rows are taken 32 at a time from n0, a multiple of 16 (both callers split rows so), so that each group of 16
 // lies in one 128-row scale block.
 // AMD Zen 4 (dev machine, docs/perf-notes.md): the multiply loop runs at ~0.85-0.95 vdpbf16ps per cycle against
-// ~0.6-0.67 for the streaming form's; building the slab costs ~0.3-0.37 cycles per weight (~220 vector operations
-// per 16 rows x 64 K: ~1.4 cycles each), about what the faster loop saves at 16 tokens, so the form pays from ~48
-// tokens: 2048 x 7168 and 7168 x 2048 GEMMs 1.12-1.24x the streaming form at 64 tokens, 1.43-1.44x the lane-form
-// tiles at 512.
+// ~0.6-0.67 for the streaming form's; building a slab costs ~0.3-0.37 cycles per weight (~220 vector operations per
+// 16 rows x 64 K), so the next block's slab is built in steps between the current block's products (SlabBuilder).
+// One MoE layer of 32 experts against streaming: 1.11x at 16 tokens per expert, 1.14-1.26x at 24-48, 0.83-0.85x
+// at 8 (policy.cpu.gemm_tile_tokens' null: 16 here); GEMMs at 512 tokens 1.4-1.5x the lane-form tiles.
 constexpr int kOuterRows = 32;                         // rows per pass: two groups of 16
 constexpr int64_t kOuterPairs = kBlock / 2;            // K pairs per block
 static_assert(kOuterSlabElems == 2 * kOuterPairs * kOuterRows * 2, "gemm.h's slab size");
