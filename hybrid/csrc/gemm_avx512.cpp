@@ -401,7 +401,8 @@ void outer_tile(const uint32_t* slab, int64_t pairs, const uint32_t* x, int64_t 
 
 void outer_rows(const GemmProblem& p, const uint16_t* xp, int64_t n0, int64_t n1, uint32_t* slabs) {
   const auto* w = static_cast<const uint8_t*>(p.w);
-  const int64_t ldx = padded_k(p.K) / 2, n_chunks = (p.K + kChunk - 1) / kChunk, n_blocks = (p.K + kBlock - 1) / kBlock;
+  const int64_t ldx = padded_k(p.K) / 2, n_chunks = (p.K + kChunk - 1) / kChunk;
+  const int64_t n_blocks = (p.K + kBlock - 1) / kBlock;
   const auto* x = reinterpret_cast<const uint32_t*>(xp);
   for (int64_t n = n0; n < n1; n += kOuterRows) {
     const int rows = int(lo(kOuterRows, n1 - n));
