@@ -225,15 +225,15 @@ def plot(records: list[Record], png: Path) -> Optional[Path]:
     panels = [(p, recs) for p, recs in (("gemm", gemms), ("moe", layers)) if recs]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 6), squeeze=False)
     for ax, (panel, recs) in zip(axes[0], panels):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         if panel == "gemm":
             _gemm_panel(ax, recs, next((r.value for r in records if r.name == "read_roof"), None))
         else:
             _moe_panel(ax, recs)
-        ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({r.m for r in recs}))  # the token counts measured, as numbers
         ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%d"))
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     fig.tight_layout()
@@ -261,7 +261,6 @@ def _gemm_panel(ax, recs: list[Record], roof_gbs: Optional[float]) -> None:
         ax.plot(ms, [2 * m * roof_gbs / 1e3 for m in ms], linestyle="--", color="grey",
                 label=f"FP8 memory roof ({roof_gbs:.0f} GB/s, best reading)")
         tflops = [r.extra["tflops"] for r in recs]
-        ax.set_yscale("log")
         ax.set_ylim(min(tflops) / 2, 3 * max(tflops))  # the roof climbs far past compute-bound kernels
     ax.set(xlabel="tokens M", ylabel="TFLOP/s", title="FP8 GEMMs (cold weights)")
 
