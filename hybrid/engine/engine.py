@@ -126,7 +126,7 @@ class Engine:
         if not prompt:
             raise RequestError("empty prompt")
         vocab = self.model.args.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
+        bad = [t for t in prompt + list(params.token_ids) if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} out of range 0..{vocab - 1}")
         need, room = len(prompt) + params.max_tokens, self.plan.max_context
@@ -230,7 +230,7 @@ class Engine:
             self._drain_ahead(changed)
         for req in new:
             self._requests[req.id] = req
-            self._samplers[req.id] = Sampler(req.params)
+            self._samplers[req.id] = Sampler(req.params, req.prompt)
             self.scheduler.add(req)
         for rid in aborts:
             req = self._requests.get(rid)
@@ -537,6 +537,8 @@ class Engine:
     # -- tokens, text, endings --------------------------------------------------------------------------------
     def _append(self, req: Request, token: int, changed: dict[int, Request]) -> None:
         req.output.append(token)
+        if req.params.logprobs is not None:
+            req.logprobs.append(self._samplers[req.id].last)
         req.token_times.append(time.perf_counter())
         changed[req.id] = req
         p = req.params
@@ -587,8 +589,9 @@ class Engine:
         req.shown = max(req.shown, len(text))
         if req.finished:
             self._requests.pop(req.id, None)
+        logprobs = req.logprobs[len(req.output) - len(new_tokens):] if req.params.logprobs is not None else None
         return RequestOutput(req.id, new_tokens, delta, req.finished, req.finish_reason, req.error,
-                             len(req.prompt), len(req.output))
+                             len(req.prompt), len(req.output), logprobs)
 
     # -- convenience ------------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],

@@ -3,14 +3,22 @@ moves it along (`Request`), and what each engine step hands back (`RequestOutput
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+import torch
 
 from hybrid.errors import HybridError
 
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are matched on every token's text
+MAX_TOP_LOGPROBS = 20  # as OpenAI
+
+# (the request's generated token ids so far, its logits row [V]) -> the row to sample from: e.g. a grammar's mask.
+# Called on the engine's thread before the penalties, the temperature and the filters, for greedy requests too.
+LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
 
 
 class RequestError(HybridError, ValueError):
@@ -27,17 +35,29 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per request. temperature 0 is greedy; top_k 0 and top_p 1 filter nothing. A seed makes sampling
+    """Per request. temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 filter nothing. A seed makes sampling
     reproducible whatever the request's batch mates (each request draws from its own generator); None = a fresh
-    random seed. Stop strings end the text before them; stop token ids end it after them (not shown)."""
+    random seed. Stop strings end the text before them; stop token ids end it after them (not shown).
+    Before sampling (greedy too), in this order: the logits processors, logit_bias (added to the logits),
+    repetition_penalty (> 1 lowers every token of the prompt and output: positive logits divided, negative ones
+    multiplied), frequency_penalty (times each token's count in the output) and presence_penalty (once per token
+    in the output), both subtracted. `logprobs`: None = none; k = the sampled token's log-probability and the k
+    likeliest tokens' at each step, from the model's own distribution (before any of the above)."""
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest one's probability
     seed: Optional[int] = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # generate max_tokens whatever comes (benchmarks)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Union[Mapping[int, float], tuple[tuple[int, float], ...]] = ()  # token id -> bias
+    logprobs: Optional[int] = None
+    logits_processors: tuple[LogitsProcessor, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -52,8 +72,27 @@ class SamplingParams:
             raise RequestError("stop strings must not be empty")
         if len(self.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise RequestError(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each")
+        if not 0 <= self.min_p <= 1:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        for knob in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, knob) <= 2:
+                raise RequestError(f"{knob} must be in [-2, 2], got {getattr(self, knob)}")
+        if not 0 < self.repetition_penalty <= 10 or not math.isfinite(self.repetition_penalty):
+            raise RequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        bias = tuple(sorted((dict(self.logit_bias).items())))
+        if any(not -100 <= b <= 100 for _, b in bias):
+            raise RequestError("logit_bias values must be in [-100, 100]")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         object.__setattr__(self, "stop", tuple(self.stop))  # lists accepted: kept hashable and immutable
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Every token id the request names (logit_bias, stop_token_ids): each must be in the vocabulary."""
+        return tuple(t for t, _ in self.logit_bias) + self.stop_token_ids
 
 
 class State(enum.Enum):
@@ -80,6 +119,7 @@ class Request:
     text: str = ""  # the output decoded so far (cut before a stop string that ended it)
     shown: int = 0  # characters of `text` already handed out
     tokens_out: int = 0  # tokens of `output` already handed out
+    logprobs: list["TokenLogprobs"] = field(default_factory=list)  # per token of `output`, when params.logprobs
 
     @property
     def position(self) -> int:
@@ -101,6 +141,14 @@ class Request:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability, and the likeliest tokens' (id, log-probability), likeliest first."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """A request's progress in one engine step: the tokens and text it gained, and, when it ended, why."""
     id: int
@@ -111,3 +159,4 @@ class RequestOutput:
     error: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: Optional[list[TokenLogprobs]] = None  # one per new token, when the request asked for them
