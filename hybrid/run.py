@@ -12,6 +12,7 @@ from hybrid import tracking
 from hybrid.bench import plot_bench, run_bench
 from hybrid.bench.records import save, table
 from hybrid.config.compose import RUNS_DIR, settings_of
+from hybrid.errors import ConfigError
 from hybrid.config.schema import HwConfig, HybridConfig, Mode, OutputFormat
 from hybrid.engine.build import build, configure_cpu, cpu_threads
 from hybrid.engine.requests import SamplingParams
@@ -27,6 +28,7 @@ def run(cfg: DictConfig) -> dict:
     hw, notes = resolve(s.hw, s.policy, machine)
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
+    params = generate_params(s) if s.mode == Mode.generate else None  # refused before anything is built
     threads = cpu_threads(s.policy, hw)
     configure_cpu(threads, s.policy)  # benches without an engine too
     if s.mode == Mode.serve:
@@ -34,7 +36,7 @@ def run(cfg: DictConfig) -> dict:
     if s.mode == Mode.bench:
         report = bench(replace(s, hw=hw), hw.name, machine)  # the resolved profile: the bench builds the engine
     else:
-        report = generate(s, hw)
+        report = generate(s, hw, params)
     tracking.log_run(s, cfg, report, hw, threads)  # MLflow, after the measured work (tracking.enabled)
     return report
 
@@ -65,15 +67,22 @@ def serve(s: HybridConfig, hw: HwConfig) -> dict:
     return {"mode": "serve", "model": name}
 
 
-def generate(s: HybridConfig, hw: HwConfig) -> dict:
+def generate_params(s: HybridConfig) -> SamplingParams:
+    """generate mode's sampling settings as a request's; a bad one is a ConfigError naming it."""
+    try:
+        return SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                              seed=s.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def generate(s: HybridConfig, hw: HwConfig, params: SamplingParams) -> dict:
     text_out, hw_name = s.output == OutputFormat.text, hw.name
     engine = build(s, hw, progress=text_out and sys.stderr.isatty())
     tok = engine.tokenizer
     prompt_ids = tok.apply_chat_template([{"role": "user", "content": s.prompt}]) if s.chat else tok.encode(s.prompt)
     if text_out:
         print(s.prompt, end="", flush=True)
-    params = SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                            seed=s.seed)
     show = (lambda _i, out: print(out.text_delta, end="", flush=True)) if text_out else None
     done = engine.generate([prompt_ids], params, on_output=show)[0]
     if done.error:

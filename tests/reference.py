@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hybrid.weights import fp8
+from hybrid.quant import fp8
 from hybrid.weights.checkpoint import Checkpoint
 
 

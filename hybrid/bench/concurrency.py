@@ -29,7 +29,6 @@ clock them: GPU runs only).
 from __future__ import annotations
 
 import itertools
-import re
 import statistics
 import sys
 import time
@@ -39,6 +38,7 @@ from typing import Optional
 
 from hybrid.bench import bounds
 from hybrid.bench.records import Record, Records
+from hybrid.config.schema import scenario_counts
 from hybrid.errors import ConfigError
 
 
@@ -50,11 +50,8 @@ class Scenario:
 
 
 def parse_scenario(name: str) -> Scenario:
-    """'2D', '1P', '1P+2D' -> Scenario; anything else is a ConfigError naming the form."""
-    m = re.fullmatch(r"(1P)?(?:(?(1)\+)([1-9]\d*)D)?", name.replace(" ", ""))
-    if not m or not any(m.groups()):
-        raise ConfigError(f"bench.scenarios: {name!r} is not nD, 1P or 1P+nD (n >= 1)")
-    return Scenario(name, 1 if m.group(1) else 0, int(m.group(2) or 0))
+    """'2D', '1P', '1P+2D' -> Scenario; anything else is a ConfigError naming the form (scenario_counts)."""
+    return Scenario(name, *scenario_counts(name))
 
 
 class _Driver:

@@ -20,7 +20,7 @@ from hybrid.bench.timing import cuda_seconds
 from hybrid.errors import ConfigError
 from hybrid.kernels import fp8_linear
 from hybrid.prefill.slp import grouped_gemm_missing
-from hybrid.weights import fp8
+from hybrid.quant import fp8
 
 EXPERTS = 8  # distinct weights cycled (one expert's FP8 gate+up is 29 MB; the H200's L2 is 50 MB)
 

@@ -32,7 +32,7 @@ from hybrid.kernels.gemm import gemm
 from hybrid.kernels.membw import calibrate, read_roof
 from hybrid.kernels.moe import CpuMoE
 from hybrid.kernels.thread_pool import threads
-from hybrid.weights.fp8 import dequantize, scale_shape
+from hybrid.quant.fp8 import dequantize, scale_shape
 from hybrid.weights.synthetic import fp8_codes
 
 GB = 1e9

@@ -5,6 +5,7 @@ runs the `__post_init__` checks, so every config error surfaces before anything 
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -266,6 +267,15 @@ MOVED = {"cpu_threads": "cpu.threads", "cpu_kernel": "cpu.kernel", "moe_backend"
          "gpu_fp8_dequant_rows": "gpu.fp8_dequant_rows", "gpu_experts_per_layer": "gpu.experts_per_layer"}
 
 
+def scenario_counts(name: str) -> tuple[int, int]:
+    """bench.scenarios' form: '2D', '1P', '1P+2D' -> (long prompts, decoding requests); anything else is a
+    ConfigError naming the form."""
+    m = re.fullmatch(r"(1P)?(?:(?(1)\+)([1-9]\d*)D)?", name.replace(" ", ""))
+    if not m or not any(m.groups()):
+        raise ConfigError(f"bench.scenarios: {name!r} is not nD, 1P or 1P+nD (n >= 1)")
+    return 1 if m.group(1) else 0, int(m.group(2) or 0)
+
+
 @dataclass
 class BenchConfig:
     name: str = "kernels"
@@ -342,10 +352,8 @@ class BenchConfig:
         for knob in ("beside_cores", "attention_chunks", "stream_queues", "beside_sms"):
             if min(getattr(self, knob), default=0) < 0:
                 raise ValueError(f"bench.{knob} must be >= 0, got {list(getattr(self, knob))}")
-        from hybrid.bench.concurrency import parse_scenario  # the one place that reads a scenario's name
-
         for name in self.scenarios:
-            parse_scenario(name)
+            scenario_counts(name)
 
 
 @dataclass
@@ -426,11 +434,8 @@ class HybridConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
 
     def __post_init__(self) -> None:
-        from hybrid.engine.requests import SamplingParams  # the one place sampling fields are checked
-
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        SamplingParams(self.max_new_tokens, self.temperature, self.top_p, self.top_k, self.seed)
 
 
 def register() -> None:

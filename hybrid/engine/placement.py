@@ -36,7 +36,7 @@ from hybrid.model.moe import MoE, RoutedExperts, Router
 from hybrid.engine.hot_experts import PROJ, HotExperts
 from hybrid.engine.staging import Deferral, Staging
 from hybrid.prefill.ring import expert_tensors, layout
-from hybrid.weights import fp8
+from hybrid.quant import fp8
 
 
 def _cpu_op(experts: RoutedExperts, kernel: str) -> CpuMoE:

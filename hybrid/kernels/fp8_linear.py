@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from hybrid.kernels.gemm import gemm as cpu_gemm
 from hybrid.kernels import mla_decode, triton_device
 from hybrid.kernels.head_gemm import head_gemm
-from hybrid.weights import fp8
+from hybrid.quant import fp8
 
 try:
     import triton

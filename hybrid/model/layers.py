@@ -12,7 +12,7 @@ from torch import nn
 
 from hybrid.kernels.fp8_linear import DEFAULT_GEMM, Fp8Gemm, stored_linear
 from hybrid.kernels.pointwise import FUSED, Fused, rms_norm
-from hybrid.weights import fp8
+from hybrid.quant import fp8
 
 
 def _frozen(shape, dtype) -> nn.Parameter:

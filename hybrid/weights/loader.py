@@ -9,8 +9,9 @@ import torch
 from tqdm import tqdm
 
 from hybrid.errors import CheckpointError
+from hybrid.kernels.scan import fp8_nan_codes
 from hybrid.model.transformer import Transformer
-from hybrid.weights import fp8
+from hybrid.quant import fp8
 from hybrid.weights.checkpoint import TensorSource
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -67,7 +68,7 @@ def _checked(source: TensorSource, name: str, shape: tuple, dtype: torch.dtype) 
         kind = "scale shape mismatch" if name.endswith("weight_scale_inv") else "wrong shape"
         raise CheckpointError(f"{where}: {kind}: {list(t.shape)} where {list(shape)} is expected")
     if t.dtype == fp8.FP8:
-        bad = fp8.nan_code_count(t)
+        bad = fp8_nan_codes(t)
         if bad:
             raise CheckpointError(f"{where}: {bad} NaN codes (0x7F/0xFF) in FP8 weights")
     return t

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from hybrid.errors import CheckpointError
 from hybrid.model.args import ModelArgs
 from hybrid.model.transformer import Transformer
-from hybrid.weights import fp8
+from hybrid.quant import fp8
 from hybrid.weights.checkpoint import INDEX, SINGLE, InMemoryCheckpoint
 from hybrid.weights.presets import hf_config
 from hybrid.weights.safetensors_io import TensorSpec, write

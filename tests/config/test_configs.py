@@ -16,6 +16,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, Vali
 
 from hybrid.config import CONF_DIR, HybridConfig, compose, to_settings
 from hybrid.config.compose import unknown_override
+from hybrid.errors import ConfigError
 from hybrid.config.schema import KERNELS, CpuSpec, GpuSpec, Mode, PolicyConfig
 from hybrid.model.args import ModelArgs
 from hybrid.weights.presets import hf_config
@@ -243,11 +244,7 @@ def test_wrong_type(override, expect):
     (["policy.gpu.weights=int4"], "policy.gpu.weights"),
     (["policy.gpu.fp8_gemm=cutlass"], "policy.gpu.fp8_gemm"),
     (["policy.gpu.experts_per_layer=-1"], "policy.gpu.experts_per_layer"),
-    (["top_p=0"], "top_p"),
-    (["top_p=1.5"], "top_p"),
-    (["temperature=-0.1"], "temperature"),
     (["max_new_tokens=0"], "max_new_tokens"),
-    (["top_k=-1"], "top_k"),
     (["+hw=cpu_only", "hw.cpu.sockets=0"], "hw.cpu"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_invalid_value(overrides, knob):
@@ -275,3 +272,14 @@ def test_unknown_option(override, group):
     assert f"Could not find '{group}/nope'" in msg
     assert all(option in msg for option in _options(group)), msg  # the options are listed
 
+
+
+@pytest.mark.parametrize("override, knob", [("top_p=0", "top_p"), ("top_p=1.5", "top_p"),
+                                            ("temperature=-0.1", "temperature"), ("top_k=-1", "top_k")])
+def test_invalid_sampling(override, knob):
+    """generate mode's sampling settings are checked as a request's (SamplingParams), before anything is built."""
+    from hybrid.run import generate_params
+
+    s = to_settings(compose([override]))
+    with pytest.raises(ConfigError, match=knob):
+        generate_params(s)

@@ -29,7 +29,7 @@ from hybrid.kernels.gemm import (AMX_MIN_TOKENS, OUTER_MIN_TOKENS, TILE_MIN_TOKE
                                  set_batch_invariant, set_tile_min_tokens)
 from hybrid.model.attention import MLA
 from hybrid.model.layers import Linear
-from hybrid.weights import fp8
+from hybrid.quant import fp8
 from hybrid.weights.checkpoint import Checkpoint
 from hybrid.weights.loader import load_model
 from hybrid.weights.synthetic import fp8_codes, write_checkpoint

@@ -12,7 +12,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from hybrid.weights import fp8
+from hybrid.quant import fp8
 
 SEED = int(os.environ.get("HYBRID_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
 BLOCK = (128, 128)

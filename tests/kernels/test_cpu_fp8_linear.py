@@ -14,7 +14,7 @@ import torch
 
 from hybrid.kernels import fp8_linear as fl
 from hybrid.kernels.dispatch import available
-from hybrid.weights import fp8
+from hybrid.quant import fp8
 from tests.kernels.common import BLOCK, bf16, block_scales, dense64, fp8_codes, record, rel_errors, rng_for, seed_note
 
 BOUND = 4e-3  # against float64: p95 and max

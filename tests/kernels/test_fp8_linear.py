@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hybrid.kernels import fp8_linear as fl
-from hybrid.weights import fp8
+from hybrid.quant import fp8
 
 
 def _case(m: int, n: int, k: int, device="cpu"):

@@ -11,7 +11,7 @@ def test_fp8_gemm_and_dequantise():
     run("""
         import torch
         from hybrid.kernels import fp8_linear as fl
-        from hybrid.weights import fp8
+        from hybrid.quant import fp8
 
         g = torch.Generator().manual_seed(0)
         for n, k in ((256, 256), (200, 320), (130, 96)):  # rows and columns off the 128-blocks too

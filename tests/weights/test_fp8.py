@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid.weights import fp8
+from hybrid.quant import fp8
 
 
 @pytest.mark.parametrize("shape", [(256, 384), (128, 128), (4096, 7168 // 4), (200, 300), (128, 130)])

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hybrid.weights import fp8
+from hybrid.kernels.scan import fp8_nan_codes
+from hybrid.quant import fp8
 from hybrid.weights.checkpoint import INDEX, SINGLE, Checkpoint
 from hybrid.weights.synthetic import in_memory_checkpoint, write_checkpoint
 from tests.conftest import model_spec
@@ -138,8 +139,8 @@ def test_no_nan_codes_and_sane_scales(any_dir):
         t = ck.tensor(name)
         if t.dtype == fp8.FP8:
             n_fp8 += 1
-            assert fp8.nan_code_count(t) == 0, f"{name}: {fp8.nan_code_count(t)} NaN codes"
-            assert not t.float().isnan().any(), name  # independently of nan_code_count
+            assert fp8_nan_codes(t) == 0, f"{name}: {fp8_nan_codes(t)} NaN codes"
+            assert not t.float().isnan().any(), name  # independently of fp8_nan_codes
             scale = ck.tensor(name + "_scale_inv")
             assert scale.dtype == torch.float32 and bool((scale > 0).all() and scale.isfinite().all()), name
     assert n_fp8 > 0
@@ -172,7 +173,7 @@ def test_fp8_round_trip_ragged():
     q, scale = fp8.quantize(w, block)
     assert q.dtype == fp8.FP8 and tuple(q.shape) == shape
     assert tuple(scale.shape) == fp8.scale_shape(shape, block) == (2, 3)
-    assert fp8.nan_code_count(q) == 0
+    assert fp8_nan_codes(q) == 0
 
     back = fp8.dequantize(q, scale, block, torch.float32)
     s = fp8.expand_scale(scale, shape, block)
@@ -212,7 +213,7 @@ def test_fp8_round_trip_is_exact_on_codes():
 
 
 @pytest.mark.parametrize("n", [1, 7, 4097, (1 << 22) + 13, 3 * (1 << 22) + 5])
-def test_nan_code_count_is_exact_at_every_size_and_offset(n):
+def test_fp8_nan_codes_is_exact_at_every_size_and_offset(n):
     """The native scan (threaded from 4 MiB on) counts every 0x7F / 0xFF byte, none else, from any start byte."""
     g = torch.Generator().manual_seed(n)
     raw = torch.randint(0, 256, (n + 3,), dtype=torch.uint8, generator=g)
@@ -221,6 +222,6 @@ def test_nan_code_count_is_exact_at_every_size_and_offset(n):
     for skip in (0, 1, 3):  # views starting off any alignment
         codes = raw[skip:skip + n]
         want = int(((codes & 0x7F) == 0x7F).sum())
-        assert fp8.nan_code_count(codes.view(fp8.FP8)) == want
-    assert fp8.nan_code_count(raw[:n].view(fp8.FP8).reshape(1, n)[:, ::2]) == int(
+        assert fp8_nan_codes(codes.view(fp8.FP8)) == want
+    assert fp8_nan_codes(raw[:n].view(fp8.FP8).reshape(1, n)[:, ::2]) == int(
         ((raw[:n:2] & 0x7F) == 0x7F).sum()), "a strided view is counted as its elements"

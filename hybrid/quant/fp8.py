@@ -49,13 +49,3 @@ def quantize(w: torch.Tensor, block: tuple[int, int], rows: int = 0) -> tuple[to
     scale = amax / FP8_MAX
     q = (blocks / scale[:, None, :, None]).view_as(padded)[:n, :k].to(FP8)
     return q.contiguous(), scale
-
-
-def nan_code_count(q: torch.Tensor) -> int:
-    """FP8 E4M3's NaN codes (0x7F and 0xFF; it has no infinities) in q, counted by the native scan over the
-    kernels' threads (a checkpoint's every FP8 weight is scanned at load: at memory speed, allocating nothing)."""
-    from hybrid import _native
-    from hybrid.kernels.view import view
-
-    codes = q.view(torch.uint8).contiguous().reshape(-1)  # bytes (a copy of a strided one), held through the call
-    return _native.count_fp8_nan(view(codes))
