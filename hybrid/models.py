@@ -15,6 +15,7 @@ from hybrid.model.transformer import Transformer
 from hybrid.tokenizer import Tokenizer
 from hybrid.weights.checkpoint import Checkpoint, TensorSource
 from hybrid.weights.loader import load_model
+from hybrid.weights.presets import chat_family
 from hybrid.weights.synthetic import ensure_checkpoint, in_memory_checkpoint
 from hybrid.weights.tokenizer_files import write_byte_tokenizer
 
@@ -30,7 +31,7 @@ def open_source(cfg: ModelConfig, progress: bool = False) -> tuple[TensorSource,
         tok_dir = Path(tempfile.mkdtemp(prefix="hybrid-tokenizer-"))
         atexit.register(shutil.rmtree, tok_dir, True)
         a = source.args
-        write_byte_tokenizer(tok_dir, a.vocab_size, a.bos_token_id, a.eos_token_id)
+        write_byte_tokenizer(tok_dir, a.vocab_size, a.bos_token_id, a.eos_token_id, chat_family(spec))
         return source, tok_dir
     ck = Checkpoint(ensure_checkpoint(RUNS_DIR / "models", cfg.name, spec, cfg.seed))
     return ck, ck.path

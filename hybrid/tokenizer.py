@@ -1,18 +1,46 @@
 """Tokenizer of a checkpoint: tokenizer.json through the `tokenizers` library, the chat template (Jinja) and the
-special tokens from tokenizer_config.json."""
+special tokens from tokenizer_config.json.
+
+The template renders as Hugging Face's `apply_chat_template` does (sandboxed Jinja, trim_blocks and lstrip_blocks,
+loop controls, `tojson` keeping non-ASCII text, `raise_exception`), with `tools` and extra variables (`thinking`,
+`enable_thinking`, ...) passed through. Decoding drops special tokens but keeps the tool-call and reasoning markers
+(`MARKERS`), which the server parses out of the text."""
 from __future__ import annotations
 
+import functools
 import json
+from datetime import datetime
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from tokenizers import Tokenizer as _Tokenizer
 
 from hybrid.errors import CheckpointError
 
+MARKERS = frozenset([
+    "<think>", "</think>",
+    "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+])
+
 
 def _token_text(v) -> Optional[str]:
     return v.get("content") if isinstance(v, dict) else v
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str):
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+    return env.from_string(template)
 
 
 class Tokenizer:
@@ -36,6 +64,17 @@ class Tokenizer:
         self.eos_ids: frozenset[int] = frozenset(
             [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)]
             + [i for i in [self.token_id(self.eos_token)] if i is not None])
+        added = self._tok.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special and t.content not in MARKERS)
+        self.markers = {t.content: i for i, t in added.items() if t.content in MARKERS}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def to_json(self) -> str:
+        """tokenizer.json's text (for the grammar library)."""
+        return self._tok.to_str()
 
     def token_id(self, token: Optional[str]) -> Optional[int]:
         return None if token is None else self._tok.token_to_id(token)
@@ -48,15 +87,17 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        return self._tok.decode([i for i in ids if i not in self.special_ids], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Render the template with a generation prompt; it places the BOS itself."""
+    def render_chat(self, messages: list[dict], tools: Optional[list[dict]] = None,
+                    **kwargs: Any) -> str:
+        """The template's text for `messages` with a generation prompt; the template places the BOS itself."""
         if not self.chat_template:
             raise CheckpointError("this tokenizer has no chat_template (set chat=false)")
-        import jinja2
+        return _compile(self.chat_template).render(
+            messages=messages, tools=tools or None, add_generation_prompt=True, bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "", **kwargs)
 
-        text = jinja2.Environment().from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "")
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def apply_chat_template(self, messages: list[dict], tools: Optional[list[dict]] = None,
+                            **kwargs: Any) -> list[int]:
+        return self._tok.encode(self.render_chat(messages, tools, **kwargs), add_special_tokens=False).ids

@@ -75,6 +75,13 @@ KIMI_K2 = {
 }
 
 PRESETS = {"deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2}
+CHAT_TEMPLATES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "kimi_k2"}  # a base's default family of chat template
+
+
+def chat_family(spec: dict) -> str:
+    """The chat template family of a generated checkpoint (`spec['chat_template']`, else its base's):
+    hybrid/weights/chat_templates.py."""
+    return spec.get("chat_template") or CHAT_TEMPLATES[spec.get("base", "deepseek_v3")]
 
 
 def hf_config(spec: dict) -> dict:
@@ -84,6 +91,7 @@ def hf_config(spec: dict) -> dict:
     if base not in PRESETS:
         raise ValueError(f"model.synthetic.base must be one of {sorted(PRESETS)}, got {base!r}")
     spec.pop("max_shard_mb", None)
+    spec.pop("chat_template", None)  # the tokenizer's, not config.json's
     cfg = copy.deepcopy(PRESETS[base])
     for key, value in spec.items():
         if key not in cfg and key not in ("quantization_config",):

@@ -23,14 +23,14 @@ from hybrid.model.args import ModelArgs
 from hybrid.model.transformer import Transformer
 from hybrid.quant import fp8
 from hybrid.weights.checkpoint import INDEX, SINGLE, InMemoryCheckpoint
-from hybrid.weights.presets import hf_config
+from hybrid.weights.presets import chat_family, hf_config
 from hybrid.weights.safetensors_io import TensorSpec, write
 from hybrid.weights.tokenizer_files import write_byte_tokenizer
 
 _CODES = torch.arange(256, dtype=torch.uint8)
 _VALID = _CODES[(_CODES & 0x7F) != 0x7F]
 RMS_CODE = float(_VALID.view(fp8.FP8).float().pow(2).mean().sqrt())
-GENERATOR = 2  # in the cached checkpoints' digest: a change to what is generated makes a new directory
+GENERATOR = 3  # in the cached checkpoints' digest: a change to what is generated makes a new directory
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
@@ -117,7 +117,7 @@ def write_checkpoint(dst: Path, spec: dict, seed: int = 0, progress: bool = True
         weight_map = {s.name: n for n, shard in zip(names, shards) for s in shard}
         (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    write_byte_tokenizer(tmp, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
+    write_byte_tokenizer(tmp, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"], chat_family(spec))
     shutil.rmtree(dst, ignore_errors=True)
     tmp.rename(dst)
     return dst
