@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from hybrid.kernels.gemm import gemm as cpu_gemm
 from hybrid.kernels import mla_decode, triton_device
+from hybrid.kernels.decode_attention import decode_attention
 from hybrid.kernels.head_gemm import head_gemm
 from hybrid.quant import fp8
 
@@ -217,10 +218,15 @@ class CpuFp8Gemm:
     kernel up to `head_max_rows` tokens (decode batches), torch's einsum from there (0: always torch, the path
     before the kernel, kept reachable for comparisons). The kernel was the faster at every count measured, 1 to
     128 rows (DeepSeek-V3's dims, 2 threads, docs/perf-notes.md); the limit keeps larger batches on torch until
-    measured."""
+    measured.
+
+    Decode attention reads the BF16 cache on the native attention kernel (`attend_from_cache`);
+    `native_attention` False keeps torch's einsum over the gathered cache (the path before it, for comparisons:
+    docs/perf/cpu-attention.md)."""
     kernel: str = "auto"
     fallback: Fp8Gemm = DEFAULT_GEMM
     head_max_rows: int = 128
+    native_attention: bool = True
 
     def path(self, x: torch.Tensor, block, m: int) -> str:
         """`native` (the CPU FP8 GEMM), else the fallback's way."""
@@ -256,8 +262,16 @@ class CpuFp8Gemm:
         return self._native(x, w, None)
 
     def attends_from_cache(self, x: torch.Tensor) -> bool:
-        """The CPU path attends through `per_head` and torch (batch-invariant as it is)."""
-        return False
+        """Whether decode attention reads the cache per sequence on the native kernel (`attend_from_cache`): BF16
+        on the CPU, unless `native_attention` is off."""
+        return self.native_attention and x.device.type == "cpu" and x.dtype == torch.bfloat16
+
+    def attend_from_cache(self, q_lat_BHC, q_pe_BHR, kv_STC, pe_STR, slots_B, lengths_B, kv_len: int,
+                          scale: float) -> torch.Tensor:
+        """Each sequence's decode attention over its own cached positions (csrc/decode_attention.cpp: the BF16
+        cache read in place, once per step for all heads; fixed chunks merged in order, so batch-invariant):
+        the latent output [B, H, C] in FP32. kv_len (the GPU kernel's grid reach) is not needed here."""
+        return decode_attention(q_lat_BHC, q_pe_BHR, kv_STC, pe_STR, slots_B, lengths_B, scale, kernel=self.kernel)
 
     def per_head(self, x_BSHI: torch.Tensor, w: torch.Tensor, by_rows: bool) -> torch.Tensor:
         """As Fp8Gemm.per_head; BF16 x and w on the CPU with at most `head_max_rows` tokens go through the native

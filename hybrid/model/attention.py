@@ -83,7 +83,7 @@ class MLA(nn.Module):
         if cache is None:
             kv_BTC, pe_BTR, key_pos_BT = kv_c_BSC, k_pe_BSR, pos_BS
         else:
-            if S == 1 and self.kv_b_proj.gemm.attends_from_cache(x_BSD):  # batch-invariant decode (GPU)
+            if S == 1 and self.kv_b_proj.gemm.attends_from_cache(x_BSD):  # per-sequence decode kernel (placement)
                 cache.write(slots_B, pos_BS, kv_c_BSC, k_pe_BSR)
                 o_BSHV = self._from_cache(q_nope_BSHN, q_pe_BSHR, cache, slots_B, pos_BS, kv_len)
                 return self.o_proj(o_BSHV.flatten(2))
