@@ -16,6 +16,8 @@ lm_head alone; `split.cpu_moe` is the routed experts alone (their submit-to-join
 inside it); the idle fractions there are shares of the step (no device idles beside another). The CPU runs every
 weight, so its bound is all of them: `all_bytes_per_token` (bounds.cpu_decode_bytes, by part in its record) over
 the read roof measured in the same run (`decode_vs_all_bytes_bound`), and `weight_read_gbs` what the step reached.
+`attention_per_layer` is attention's time per layer against reading that layer's attention weights and the
+cache at the roof (`bound_ms`, `vs_bound`).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from hybrid.engine.build import build, graphs_apply
 from hybrid.engine.profile import HOST_PARTS, StepProfile
 from hybrid.errors import ConfigError
 from hybrid.kernels.membw import calibrate, read_roof
+from hybrid.model.kv_cache import KVCache
 from hybrid.model.moe import MoE
 from hybrid.model.transformer import Block
 from hybrid.weights.presets import DEEPSEEK_V3
@@ -214,6 +217,19 @@ def _all_bytes_records(a, s, common: dict, tpot: float, roof: float) -> list[Rec
     ]
 
 
+def _attention_record(a, common: dict, attention_s: float, ctx: int, roof: float) -> Record:
+    """Attention's time per layer on the CPU against reading what it must at the roof: the layer's weights (as
+    this path reads them) and every sequence's cache up to `ctx` (docs/perf/cpu-attention.md)."""
+    b = common["batch"]
+    weights = bounds.cpu_decode_bytes(a, b)["attention"] / a.num_hidden_layers
+    cache = b * ctx * KVCache.bytes_per_token(1, a.kv_lora_rank, a.qk_rope_head_dim)  # BF16, as the CPU keeps it
+    bound = bounds.read_seconds(weights + cache, roof)
+    per_layer = attention_s / a.num_hidden_layers
+    return Record("attention_per_layer", per_layer * 1e3, "ms", extra={
+        **common, "bound_ms": bound * 1e3, "vs_bound": per_layer / bound, "weight_bytes": int(weights),
+        "cache_bytes": int(cache), "roof_gbs": roof})
+
+
 def _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, n_dense, syncs, s, a=None) -> list[Record]:
     steps, b = len(times), cfg.batch
     tpot = statistics.median(times)
@@ -248,6 +264,7 @@ def _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, n_dense, syncs, 
     out.append(Record("projected_tpot_61_layers", projected, "s", extra={**common, "projection": how}))
     if on_cpu:
         out += _all_bytes_records(a, s, common, tpot, roof)
+        out.append(_attention_record(a, common, per_step["attention"], ctx, roof))
     if s.hw.cpu.mem_bw_gbps and bound > 0:
         frac = min(1.0, bound / tpot)
         t_hw = bounds.read_seconds(bytes_step * scale, s.hw.cpu.mem_bw_gbps * frac)

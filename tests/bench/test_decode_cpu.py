@@ -27,3 +27,7 @@ def test_cpu_records_split_the_step_by_layer():
     bound = records["decode_vs_all_bytes_bound"]
     assert 0 < bound["value"] <= 1.5 and bound["bound_s"] > 0, "every weight byte over the roof of the same run"
     assert records["all_bytes_per_token"]["lm_head_mb"] > 0
+    attention = records["attention_per_layer"]
+    assert 0 < attention["value"] < tpot_ms and attention["bound_ms"] > 0, "attention per layer over its roof bound"
+    assert attention["vs_bound"] == pytest.approx(attention["value"] / attention["bound_ms"])
+    assert attention["cache_bytes"] > 0 and attention["weight_bytes"] > 0
