@@ -1,7 +1,13 @@
-"""Side by side with llama.cpp on the CPU (docs/perf-notes.md has the recipe): the same generated checkpoint, batch 1,
-decode tokens/s and prefill tokens/s (a 512-token prompt through every layer), rounds interleaved, one process
-per side and round (the two sides' weights do not fit in the page cache of a 24 GB machine together). Each side
-first runs an untimed 512-token prompt, so that every expert's weights are in memory before anything is timed.
+"""Side by side with llama.cpp on the CPU (docs/perf-notes.md has the recipe; docs/perf/cpu-attention.md the figures
+at depth): the same generated checkpoint, batch 1, decode tokens/s at several depths (`--depths`, as llama-bench's
+-d: DECODE_TOKENS greedy steps after that many cached positions) and prefill tokens/s (a 512-token prompt), rounds
+interleaved, one process per side and round (the two sides' weights do not fit in the page cache of a 24 GB machine
+together). Each side first runs an untimed 512-token prompt, so that every expert's weights are in memory before
+anything is timed. llama.cpp fills its cache to the depth with its own untimed prefill; ours decodes at the depth
+over a cache not prefilled (as bench=decode: attention reads every cached position whatever the values, so a step
+costs what it costs after a real prompt). Prefill is not the same work on both sides: llama.cpp's graph keeps
+only the rows whose logits are asked for after the last layer's attention, so that layer's MoE (and lm_head) run
+for the last prompt token alone, where ours runs every prompt row through every layer.
 
     python -m hybrid.bench.peers convert --converter .../vendor/llama.cpp/convert_hf_to_gguf.py --out slice.gguf
     python -m hybrid.bench.peers run --gguf slice.gguf [--rounds 3] [--lm-head bf16 fp8]
@@ -27,6 +33,8 @@ from pathlib import Path
 DECODE_TOKENS = 16
 PROMPT_TOKENS = 512
 CONTEXT = 1024
+DEPTHS = (512, 4096, 16384)
+PREFILL_NOTE = "llama.cpp runs the last layer's MoE and lm_head for the last prompt token only; ours for every row"
 
 _CONVERT = """
 import runpy, sys
@@ -78,14 +86,33 @@ def convert(args) -> None:
                     args.out], check=True)
 
 
-def ours(model: str, lm_head: str, threads: int) -> dict:
-    """Our engine on the CPU: prefill of a 512-token prompt (its first token), then greedy decode steps."""
+def _context(depths) -> int:
+    return max(CONTEXT, max(depths) + DECODE_TOKENS + 16)
+
+
+def _ours_at(engine, depth: int) -> float:
+    """Seconds per greedy step of one sequence at positions depth, depth + 1, ... (the engine's decode step)."""
+    import torch
+
+    step, slots = engine.decoder("off"), torch.zeros(1, dtype=torch.long)
+    tok = torch.tensor([_tokens(1, engine.model.args.vocab_size, 5)])
+    for i in range(DECODE_TOKENS + 2):  # two untimed
+        if i == 2:
+            t0 = time.perf_counter()
+        tok = step(tok, torch.tensor([[depth + i]]), slots, depth + i + 1).argmax(-1).view(1, 1)
+        tok.tolist()
+    return (time.perf_counter() - t0) / DECODE_TOKENS
+
+
+def ours(model: str, lm_head: str, threads: int, depths=DEPTHS) -> dict:
+    """Our engine on the CPU: prefill of a 512-token prompt (its first token), then greedy decode steps at each
+    depth."""
     from hybrid.config.compose import compose, to_settings
     from hybrid.engine.build import build
     from hybrid.engine.requests import SamplingParams
 
     over = [f"model={model}", "+hw=cpu_only", "tracking.enabled=false", f"policy.cpu.lm_head={lm_head}",
-            f"policy.kv.max_context={CONTEXT}", "policy.kv.max_batch=1", "policy.decode.batch_cap=1",
+            f"policy.kv.max_context={_context(depths)}", "policy.kv.max_batch=1", "policy.decode.batch_cap=1",
             f"policy.prefill.chunk_tokens={PROMPT_TOKENS}"]
     if threads:
         over.append(f"policy.cpu.threads={threads}")
@@ -103,36 +130,40 @@ def ours(model: str, lm_head: str, threads: int) -> dict:
         return stamps
     run(_tokens(PROMPT_TOKENS, vocab, 1), 2)  # warm-up: every expert's pages read once
     prefill_s = run(_tokens(PROMPT_TOKENS, vocab, 2), 1)[0]
-    stamps = run(_tokens(16, vocab, 3), DECODE_TOKENS + 1)
-    decode_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
     return {"side": f"hybrid (lm_head {lm_head})", "prefill_tok_s": PROMPT_TOKENS / prefill_s,
-            "decode_tok_s": 1 / decode_s, "threads": engine.plan.threads}
+            **{f"decode_tok_s_d{d}": 1 / _ours_at(engine, d) for d in depths}, "threads": engine.plan.threads}
 
 
-def llama(gguf: str, threads: int) -> dict:
-    """llama.cpp (llama-cpp-python) on the same CPU: the 512-token prompt in one batch, then greedy eval steps."""
-    import numpy as np
+def llama(gguf: str, threads: int, depths=DEPTHS) -> dict:
+    """llama.cpp (llama-cpp-python) on the same CPU: the 512-token prompt in one batch, then at each depth the
+    cache filled by an untimed prompt of that many tokens and greedy eval steps."""
     from llama_cpp import Llama
 
     threads = threads or len(__import__("os").sched_getaffinity(0))
-    llm = Llama(model_path=gguf, n_ctx=CONTEXT, n_threads=threads, n_threads_batch=threads, n_batch=PROMPT_TOKENS,
-                n_ubatch=PROMPT_TOKENS, verbose=False)
+    llm = Llama(model_path=gguf, n_ctx=_context(depths), n_threads=threads, n_threads_batch=threads,
+                n_batch=PROMPT_TOKENS, n_ubatch=PROMPT_TOKENS, verbose=False)
     vocab = llm.n_vocab()
     llm.eval(_tokens(PROMPT_TOKENS, vocab, 1))  # warm-up: every expert's pages read once (mmap)
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(_tokens(PROMPT_TOKENS, vocab, 2))
     prefill_s = time.perf_counter() - t0
+    return {"side": "llama.cpp Q8_0", "prefill_tok_s": PROMPT_TOKENS / prefill_s, "prefill_note": PREFILL_NOTE,
+            **{f"decode_tok_s_d{d}": 1 / _llama_at(llm, d) for d in depths}, "threads": threads}
+
+
+def _llama_at(llm, depth: int) -> float:
+    """Seconds per greedy eval step after an untimed prompt of `depth` tokens (llama-bench -d)."""
+    import numpy as np
+
     llm.reset()
-    llm.eval(_tokens(16, vocab, 3))
+    llm.eval(_tokens(depth, llm.n_vocab(), 3))
     tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
     t0 = time.perf_counter()
     for _ in range(DECODE_TOKENS):
         llm.eval([tok])
         tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    decode_s = (time.perf_counter() - t0) / DECODE_TOKENS
-    return {"side": "llama.cpp Q8_0", "prefill_tok_s": PROMPT_TOKENS / prefill_s, "decode_tok_s": 1 / decode_s,
-            "threads": threads}
+    return (time.perf_counter() - t0) / DECODE_TOKENS
 
 
 def lm_head_effect(args) -> None:
@@ -166,18 +197,19 @@ def run(args) -> None:
     for r in range(args.rounds):
         for side in sides if r % 2 == 0 else sides[::-1]:  # alternate the order between rounds
             cmd = [sys.executable, "-m", "hybrid.bench.peers", "one", *side, "--model", args.model,
-                   "--threads", str(args.threads)]
+                   "--threads", str(args.threads), "--depths", *map(str, args.depths)]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
             rec = {"round": r, **json.loads(out)}
             print(json.dumps(rec), flush=True)
             results.setdefault(rec["side"], []).append(rec)
     for side, recs in results.items():
-        med = {k: statistics.median(x[k] for x in recs) for k in ("prefill_tok_s", "decode_tok_s")}
+        med = {k: statistics.median(x[k] for x in recs) for k in recs[0] if k.endswith("tok_s") or "tok_s_d" in k}
         print(json.dumps({"side": side, "median_of": len(recs), **med}), flush=True)
 
 
 def one(args) -> None:
-    rec = llama(args.llama, args.threads) if args.llama else ours(args.model, args.ours, args.threads)
+    depths = tuple(args.depths)
+    rec = llama(args.llama, args.threads, depths) if args.llama else ours(args.model, args.ours, args.threads, depths)
     print(json.dumps(rec), flush=True)
 
 
@@ -194,6 +226,8 @@ def main(argv=None) -> None:
     o = sub.add_parser("one", help="one side, one round (what `run` starts)")
     o.add_argument("--llama")
     o.add_argument("--ours", choices=["bf16", "fp8"])
+    for q in (r, o):
+        q.add_argument("--depths", type=int, nargs="+", default=list(DEPTHS), help="cached positions to decode at")
     for q in (c, r, o):
         q.add_argument("--model", default="dsv3_slice")
         q.add_argument("--threads", type=int, default=0, help="0: the plan's (ours) / every CPU (llama.cpp)")
