@@ -60,8 +60,12 @@ class Grammars:
                                             eos_token=sorted(tokenizer.eos_ids))
 
     # -- grammars (llguidance's serialized form) ----------------------------------------------------------------
-    def json_schema(self, schema: dict) -> str:
-        return self.llg.LLMatcher.grammar_from_json_schema(_styled(schema))
+    def json_schema(self, schema: dict, after_reasoning: bool = False) -> str:
+        if not after_reasoning:
+            return self.llg.LLMatcher.grammar_from_json_schema(_styled(schema))
+        body = "%json" + json.dumps(_styled(schema), ensure_ascii=False)
+        return self.llg.LLMatcher.grammar_from_lark(
+            f"start: reasoning {self._token('</think>')} {body}\nreasoning: /(?s:.*)/")
 
     def tool_calls(self, family: Family, tools: Sequence[dict], parallel: bool = True,
                    after_reasoning: bool = False) -> str:
