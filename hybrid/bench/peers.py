@@ -156,13 +156,16 @@ def _llama_at(llm, depth: int) -> float:
     """Seconds per greedy eval step after an untimed prompt of `depth` tokens (llama-bench -d)."""
     import numpy as np
 
+    def greedy() -> int:  # the last row's logits (llama-cpp-python keeps none in `scores` without logits_all)
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+
     llm.reset()
     llm.eval(_tokens(depth, llm.n_vocab(), 3))
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok = greedy()
     t0 = time.perf_counter()
     for _ in range(DECODE_TOKENS):
         llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = greedy()
     return (time.perf_counter() - t0) / DECODE_TOKENS
 
 
