@@ -371,9 +371,12 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0 = any free port
     api_key: Optional[str] = None  # set: every route but /health needs `Authorization: Bearer <api_key>`
+    api_key_file: Optional[str] = None  # or the key from this file (its first line); else $HYBRID_API_KEY if set
     model_name: Optional[str] = None  # the `model` clients name; null = the model config's name
-    max_waiting: int = 64  # requests queued for a KV slot; at this many, new ones get 429
+    max_waiting: int = 64  # requests that found no free KV slot; at this many, new ones get 429
     shutdown_grace_s: float = 30.0  # on SIGTERM/Ctrl-C: time the requests in flight get to finish
+    max_body_mb: float = 8.0  # larger request bodies get 413 before they are read
+    cors_origins: List[str] = field(default_factory=list)  # origins browsers may call from (["*"]: any)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -384,6 +387,8 @@ class ServerConfig:
             raise ConfigError(f"server.shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("server.api_key must not be empty (null: no key)")
+        if self.max_body_mb <= 0:
+            raise ConfigError(f"server.max_body_mb must be > 0, got {self.max_body_mb}")
 
 
 @dataclass

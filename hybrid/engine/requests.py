@@ -3,14 +3,14 @@ moves it along (`Request`), and what each engine step hands back (`RequestOutput
 from __future__ import annotations
 
 import enum
-import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence, Union
-
-import torch
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence, Union
 
 from hybrid.errors import HybridError
+
+if TYPE_CHECKING:
+    import torch
 
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are matched on every token's text
@@ -18,7 +18,7 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI
 
 # (the request's generated token ids so far, its logits row [V]) -> the row to sample from: e.g. a grammar's mask.
 # Called on the engine's thread before the penalties, the temperature and the filters, for greedy requests too.
-LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
+LogitsProcessor = Callable[[Sequence[int], "torch.Tensor"], "torch.Tensor"]
 
 
 class RequestError(HybridError, ValueError):
@@ -77,8 +77,8 @@ class SamplingParams:
         for knob in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, knob) <= 2:
                 raise RequestError(f"{knob} must be in [-2, 2], got {getattr(self, knob)}")
-        if not 0 < self.repetition_penalty <= 10 or not math.isfinite(self.repetition_penalty):
-            raise RequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if not 0.01 <= self.repetition_penalty <= 100:
+            raise RequestError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError(f"top logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
         bias = tuple(sorted((dict(self.logit_bias).items())))

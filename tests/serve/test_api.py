@@ -166,12 +166,16 @@ def test_bad_requests_get_openai_errors_never_422_or_5xx(server):
     assert _post(server, chat, {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400)["param"] \
         .startswith("messages.0.role")
     assert _post(server, comp, {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400)["param"] == "temperature"
-    assert _post(server, comp, {"model": MODEL, "prompt": "x", "logprobs": 2}, 400)["param"] == "logprobs"
+    assert _post(server, comp, {"model": MODEL, "prompt": "x", "logprobs": 21}, 400)["param"] == "logprobs"
+    assert _post(server, chat, {"model": MODEL, "messages": HELLO, "frobnicate": 1}, 400)["param"] == "frobnicate"
     err = _post(server, chat, {"model": "gpt-4", "messages": HELLO}, 404)
     assert err["code"] == "model_not_found" and err["param"] == "model"
-    assert _post(server, comp, {"model": MODEL, "prompt": "x", "n": 2}, 400)["param"] == "n"
-    assert _post(server, comp, {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
-                 400)["param"] == "stream_options"
+    assert _post(server, comp, {"model": MODEL, "prompt": "x", "n": 17}, 400)["param"] == "n"
+    assert _post(server, chat, {"model": MODEL, "messages": HELLO, "top_logprobs": 2}, 400)["param"] == "top_logprobs"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    assert "image_url" in _post(server, chat, {"model": MODEL, "messages": image}, 400)["message"]
+    assert "must be token ids" in _post(server, comp, {"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}},
+                                        400)["message"]
     err = _post(server, comp, {"model": MODEL, "prompt": [5] * 100, "max_tokens": 40}, 400)
     assert f"prompt of 100 tokens + max_tokens 40 = 140 exceeds the {PLAN.max_context}" in err["message"]
     assert "out of range" in _post(server, comp, {"model": MODEL, "prompt": [5, 10**6]}, 400)["message"]

@@ -43,7 +43,8 @@ def _label(op) -> str:
 
 
 @pytest.mark.parametrize("route", ["GET /health", "GET /metrics", "GET /v1/models", "GET /v1/models/{model}",
-                                   "POST /v1/chat/completions", "POST /v1/completions"])
+                                   "POST /v1/chat/completions", "POST /v1/completions", "POST /tokenize",
+                                   "POST /detokenize"])
 def test_generated_requests_get_no_5xx_and_conform_to_the_schema(schema, server, route):
     ops = {_label(r.ok()): r.ok() for r in schema.get_all_operations()}
     assert set(ops) >= {route}, sorted(ops)

@@ -1,0 +1,292 @@
+"""OpenAI's chat and text completions over the service's request path (hybrid/serve/service.py): the request's
+fields to SamplingParams, its choices (n of each prompt: n requests to the engine), and the answer or its
+server-sent events, with log-probabilities in OpenAI's shapes."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional, Union
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from hybrid.engine.requests import FinishReason, RequestError, RequestOutput, SamplingParams, TokenLogprobs
+from hybrid.errors import CheckpointError
+from hybrid.serve.loop import Job
+from hybrid.serve.protocol import (IGNORED_CHAT, IGNORED_COMPLETION, ChatCompletion, ChatCompletionRequest,
+                                   Completion, CompletionRequest, ErrorResponse, error_body)
+from hybrid.serve.service import APIError, Service
+
+IGNORED_HEADER = "X-Hybrid-Ignored-Fields"
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_RESPONSES = {
+    200: {"content": {"text/event-stream": {}},
+          "description": "the completion; with stream=true, server-sent events (`data: {chunk}` ... `data: [DONE]`)",
+          "headers": {IGNORED_HEADER: {"schema": {"type": "string"},
+                                       "description": "the request's fields that had no effect, comma-separated"}}},
+    **{s: {"model": ErrorResponse} for s in (400, 401, 404, 500, 503)},
+    429: {"model": ErrorResponse, "description": "too many requests waiting for a KV slot",
+          "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}},
+}
+Body = Union[ChatCompletionRequest, CompletionRequest]
+
+
+def router(service: Service) -> APIRouter:
+    r = APIRouter()
+
+    @r.post("/v1/chat/completions", response_model=ChatCompletion, responses=_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """Chat through the checkpoint's chat template."""
+        engine = service.ready_engine()
+        service.check_model(body.model)
+        tok = service.tokenizer()
+        messages = chat_messages(body)
+        service.check_text_size(sum(len(m["content"]) for m in messages), "messages")
+        try:
+            prompt = await service.offload(tok.apply_chat_template, messages)
+        except CheckpointError as e:
+            raise APIError(400, f"{e}: use /v1/completions with this model", param="messages",
+                           code="no_chat_template")
+        except Exception as e:  # the template's own checks (jinja2 raise_exception) or its errors
+            raise APIError(400, f"the chat template failed on these messages: {type(e).__name__}: {e}",
+                           param="messages")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, engine.plan.max_context - len(prompt))
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        jobs = service_submit(service, request, [prompt], body, max_tokens, top)
+        answer = _Answer(service, "chatcmpl", "chat.completion", jobs, [prompt], body)
+        headers = _ignored(body, IGNORED_CHAT)
+        if body.stream:
+            return StreamingResponse(answer.events(), media_type="text/event-stream",
+                                     headers={**_SSE_HEADERS, **headers})
+        return JSONResponse(await answer.whole(), headers=headers)
+
+    @r.post("/v1/completions", response_model=Completion, responses=_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """Text completion of prompts given as text or as token ids (one or a batch)."""
+        service.ready_engine()
+        service.check_model(body.model)
+        prompts, texts = [], []
+        for p in body.prompts():
+            if isinstance(p, str):
+                service.check_text_size(len(p), "prompt")
+                tok = service.tokenizer()
+                try:
+                    prompts.append(await service.offload(tok.encode, p))
+                except Exception as e:  # text the tokenizer cannot take (lone surrogates)
+                    raise APIError(400, f"the prompt cannot be tokenized: {type(e).__name__}: {e}", param="prompt")
+                texts.append(p)
+            else:
+                service.check_token_ids(p, "prompt")
+                prompts.append(list(p))
+                texts.append(None)
+        if body.echo:
+            texts = [t if t is not None else await service.offload(service.tokenizer().decode, p)
+                     for t, p in zip(texts, prompts)]
+        jobs = service_submit(service, request, prompts, body, body.max_tokens or 16, body.logprobs)
+        echo = [t for t in texts for _ in range(body.n or 1)] if body.echo else None
+        answer = _Answer(service, "cmpl", "text_completion", jobs, prompts, body, echo)
+        headers = _ignored(body, IGNORED_COMPLETION)
+        if body.stream:
+            return StreamingResponse(answer.events(), media_type="text/event-stream",
+                                     headers={**_SSE_HEADERS, **headers})
+        return JSONResponse(await answer.whole(), headers=headers)
+    return r
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them; `developer` is the template's `system`. Parts other than text
+    are refused."""
+    out = []
+    for i, m in enumerate(body.messages):
+        other = m.other_parts()
+        if other:
+            raise APIError(400, f"messages[{i}]: only text content parts are served, not {', '.join(other)}",
+                           param=f"messages.{i}.content", code="unsupported_content")
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for key in ("name", "tool_call_id"):
+            if getattr(m, key) is not None:
+                msg[key] = getattr(m, key)
+        if m.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        out.append(msg)
+    return out
+
+
+def sampling_params(body: Body, max_tokens: int, logprobs: Optional[int], choice: int = 0) -> SamplingParams:
+    temperature = 1.0 if body.temperature is None else body.temperature
+    seed = body.seed if body.seed is None or choice == 0 else _seed(body.seed, choice)
+    try:
+        bias = {int(t): b for t, b in (body.logit_bias or {}).items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids", param="logit_bias")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0, min_p=body.min_p or 0.0, seed=seed,
+            stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
+            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos),
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0, logit_bias=bias, logprobs=logprobs)
+    except RequestError as e:
+        raise APIError(400, str(e))
+
+
+def service_submit(service: Service, request: Request, prompts: list[list[int]], body: Body, max_tokens: int,
+                   logprobs: Optional[int]) -> list[Job]:
+    """n jobs per prompt (choice index = prompt index x n + j), queued together or not at all."""
+    n = body.n or 1
+    work = [(p, sampling_params(body, max_tokens, logprobs, j)) for p in prompts for j in range(n)]
+    return service.submit_all(request, work)
+
+
+def _seed(seed: int, choice: int) -> int:
+    return seed + choice if seed + choice < 2**64 else seed - choice
+
+
+def _ignored(body: Body, ignored: frozenset[str]) -> dict[str, str]:
+    named = sorted(f for f in body.model_fields_set & ignored if getattr(body, f) is not None)
+    return {IGNORED_HEADER: ",".join(named)} if named else {}
+
+
+class _Answer:
+    """The answer to one request of several choices: whole, or as server-sent events."""
+
+    def __init__(self, service: Service, prefix: str, kind: str, jobs: list[Job], prompts: list[list[int]],
+                 body: Body, echo: Optional[list[str]] = None):
+        self.service, self.kind, self.jobs, self.prompts, self.echo = service, kind, jobs, prompts, echo
+        self.chat = kind == "chat.completion"
+        self.id, self.created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        self.include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+        self.stop_ids = frozenset(body.stop_token_ids or ()) | (
+            frozenset() if body.ignore_eos else service.engine.eos_ids)
+        self.offsets = [len(e) for e in echo] if echo else [0] * len(jobs)
+
+    def base(self, chunk: bool) -> dict[str, Any]:
+        return {"id": self.id, "object": self.kind + (".chunk" if chunk and self.chat else ""),
+                "created": self.created, "model": self.service.model_name}
+
+    async def whole(self) -> dict[str, Any]:
+        texts, lps = [[] for _ in self.jobs], [[] for _ in self.jobs]
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merged(self.service, self.jobs):
+            texts[i].append(out.text_delta)
+            lps[i] += self.shown(out)
+            if out.finished:
+                failure = self.service.failure(out)
+                if failure is not None:
+                    raise failure
+                finals[i] = out
+        choices = []
+        for i in range(len(self.jobs)):
+            text, reason = "".join(texts[i]), finals[i].finish_reason.value
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": self.chat_logprobs(lps[i]), "finish_reason": reason})
+            else:
+                choices.append({"index": i, "text": (self.echo[i] if self.echo else "") + text,
+                                "logprobs": self.completion_logprobs(i, lps[i]), "finish_reason": reason})
+        return {**self.base(False), "choices": choices, "usage": self.usage(finals)}
+
+    async def events(self) -> AsyncIterator[str]:
+        extra = {"usage": None} if self.include_usage else {}
+
+        def chunk(i: int, delta: str, lps: list[TokenLogprobs], finish: Optional[str]) -> dict:
+            if self.chat:
+                payload = {"delta": {"content": delta} if delta else {}, "logprobs": self.chat_logprobs(lps)}
+            else:
+                payload = {"text": delta, "logprobs": self.completion_logprobs(i, lps)}
+            return {**self.base(True), "choices": [{"index": i, **payload, "finish_reason": finish}], **extra}
+        for i in range(len(self.jobs)):
+            if self.chat:
+                yield _sse({**self.base(True), "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                            "logprobs": None, "finish_reason": None}], **extra})
+            elif self.echo:
+                yield _sse(chunk(i, self.echo[i], [], None))
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merged(self.service, self.jobs):
+            lps = self.shown(out)
+            if out.text_delta or lps:
+                yield _sse(chunk(i, out.text_delta, lps, None))
+            if out.finished:
+                failure = self.service.failure(out)
+                if failure is not None:
+                    yield _sse(error_body(failure.message, failure.type, failure.param, failure.code))
+                    yield "data: [DONE]\n\n"
+                    return
+                finals[i] = out
+                yield _sse(chunk(i, "", [], out.finish_reason.value))
+        if self.include_usage:
+            yield _sse({**self.base(True), "choices": [], "usage": self.usage(finals)})
+        yield "data: [DONE]\n\n"
+
+    def usage(self, finals: dict[int, RequestOutput]) -> dict[str, int]:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(max(out.completion_tokens, job.completion_tokens)
+                         for job, out in zip(self.jobs, (finals[i] for i in range(len(self.jobs)))))
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def shown(self, out: RequestOutput) -> list[TokenLogprobs]:
+        """The output's log-probabilities, but for a stop token that ended it (not in the text)."""
+        lps = out.logprobs or []
+        if lps and out.finished and out.finish_reason is FinishReason.stop and lps[-1].token in self.stop_ids:
+            lps = lps[:-1]
+        return lps
+
+    def token(self, tid: int) -> str:
+        return self.service.engine.tokenizer.decode([tid]) if self.service.engine.tokenizer else str(tid)
+
+    def chat_logprobs(self, lps: list[TokenLogprobs]) -> Optional[dict]:
+        if not lps:
+            return None
+
+        def entry(tid: int, logprob: float) -> dict:
+            text = self.token(tid)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                            for lp in lps], "refusal": None}
+
+    def completion_logprobs(self, i: int, lps: list[TokenLogprobs]) -> Optional[dict]:
+        if not lps:
+            return None
+        tokens = [self.token(lp.token) for lp in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offsets[i])
+            self.offsets[i] += len(t)
+        tops = []
+        for lp in lps:  # tokens of one text (partial characters): the likelier one's
+            top: dict[str, float] = {}
+            for t, v in lp.top:
+                top.setdefault(self.token(t), v)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": tops,
+                "text_offset": offsets}
+
+
+async def merged(service: Service, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) of several jobs as they come, until each has its last; the unfinished are aborted
+    if the caller stops early."""
+    queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+    async def pump(i: int, job: Job) -> None:
+        async for out in service.outputs(job):
+            queue.put_nowait((i, out))
+    pumps = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        left = len(jobs)
+        while left:
+            i, out = await queue.get()
+            yield i, out
+            left -= out.finished
+    finally:
+        for p in pumps:
+            p.cancel()
+        service.abort(jobs)
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
