@@ -24,9 +24,9 @@ _GRAMMARS: "weakref.WeakKeyDictionary[Any, Grammars]" = weakref.WeakKeyDictionar
 class TurnError(ValueError):
     """A request the turn cannot be built from: the message says why, `param` names the field."""
 
-    def __init__(self, message: str, param: Optional[str] = None):
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 @dataclass
@@ -73,7 +73,7 @@ def prepare(tokenizer, vocab_size: int, messages: list[dict], tools: Optional[li
     try:
         text = tokenizer.render_chat(chat, shown, **kwargs)
     except CheckpointError as e:
-        raise TurnError(f"{e}: use /v1/completions with this model", "messages")
+        raise TurnError(f"{e}: use /v1/completions with this model", "messages", "no_chat_template")
     except Exception as e:  # the template's own checks (raise_exception) or its errors on these messages
         raise TurnError(f"the chat template failed on these messages: {type(e).__name__}: {e}", "messages")
     prompt = tokenizer.encode(text, add_bos=False)

@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hybrid.config.schema import ServerConfig
 from hybrid.engine.engine import Engine
 from hybrid.errors import CheckpointError
-from hybrid.serve import completions
+from hybrid.serve import anthropic, completions, responses
 from hybrid.serve.metrics import CONTENT_TYPE
 from hybrid.serve.protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, Health, Model, ModelList,
                                    TokenizeRequest, TokenizeResponse, error_body)
@@ -75,6 +75,8 @@ def create_app(engine_or_loader: Union[Engine, Loader], cfg: ServerConfig = Serv
     _install_errors(app, service)
     _routes(app, service)
     app.include_router(completions.router(service))
+    app.include_router(anthropic.router(service))
+    app.include_router(responses.router(service))
     _docs(app)
     app.openapi = lambda: _openapi(app, service)
     return app

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hybrid.engine.requests import FinishReason, RequestError, RequestOutput, SamplingParams, TokenLogprobs
-from hybrid.errors import CheckpointError
+from hybrid.serve import agent
 from hybrid.serve.loop import Job
 from hybrid.serve.protocol import (IGNORED_CHAT, IGNORED_COMPLETION, ChatCompletion, ChatCompletionRequest,
                                    Completion, CompletionRequest, ErrorResponse, error_body)
@@ -44,20 +44,14 @@ def router(service: Service) -> APIRouter:
         tok = service.tokenizer()
         messages = chat_messages(body)
         service.check_text_size(sum(len(m["content"]) for m in messages), "messages")
-        try:
-            prompt = await service.offload(tok.apply_chat_template, messages)
-        except CheckpointError as e:
-            raise APIError(400, f"{e}: use /v1/completions with this model", param="messages",
-                           code="no_chat_template")
-        except Exception as e:  # the template's own checks (jinja2 raise_exception) or its errors
-            raise APIError(400, f"the chat template failed on these messages: {type(e).__name__}: {e}",
-                           param="messages")
+        turn = await prepare_turn(service, body, messages)
+        prompt = turn.prompt
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, engine.plan.max_context - len(prompt))
         top = (body.top_logprobs or 0) if body.logprobs else None
-        jobs = service_submit(service, request, [prompt], body, max_tokens, top)
-        answer = _Answer(service, "chatcmpl", "chat.completion", jobs, [prompt], body)
+        jobs = service_submit(service, request, [prompt], body, max_tokens, top, turn.processors)
+        answer = _Answer(service, "chatcmpl", "chat.completion", jobs, [prompt], body, turn=turn)
         headers = _ignored(body, IGNORED_CHAT)
         if body.stream:
             return StreamingResponse(answer.events(), media_type="text/event-stream",
@@ -97,6 +91,21 @@ def router(service: Service) -> APIRouter:
     return r
 
 
+async def prepare_turn(service: Service, body: ChatCompletionRequest, messages: list[dict]) -> agent.Turn:
+    """The prompt (tools in it), the grammar of tool_choice / response_format and the output's parser
+    (hybrid/serve/agent.py), off the event loop."""
+    dump = (lambda v: v.model_dump() if hasattr(v, "model_dump") else v)
+    try:
+        return await service.offload(
+            agent.prepare, service.tokenizer(), service.ready_engine().model.args.vocab_size, messages,
+            [dump(t) for t in body.tools or ()], dump(body.tool_choice), body.parallel_tool_calls,
+            dump(body.response_format), body.chat_template_kwargs)
+    except agent.TurnError as e:
+        raise APIError(400, str(e), param=e.param, code=e.code)
+    except RequestError as e:  # a schema the grammar library cannot enforce
+        raise APIError(400, str(e), param="response_format" if body.response_format else "tools")
+
+
 def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as the chat template takes them; `developer` is the template's `system`. Parts other than text
     are refused."""
@@ -107,7 +116,7 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
             raise APIError(400, f"messages[{i}]: only text content parts are served, not {', '.join(other)}",
                            param=f"messages.{i}.content", code="unsupported_content")
         msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for key in ("name", "tool_call_id"):
+        for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(m, key) is not None:
                 msg[key] = getattr(m, key)
         if m.tool_calls:
@@ -116,7 +125,8 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def sampling_params(body: Body, max_tokens: int, logprobs: Optional[int], choice: int = 0) -> SamplingParams:
+def sampling_params(body: Body, max_tokens: int, logprobs: Optional[int], choice: int = 0,
+                    processors: tuple = ()) -> SamplingParams:
     temperature = 1.0 if body.temperature is None else body.temperature
     seed = body.seed if body.seed is None or choice == 0 else _seed(body.seed, choice)
     try:
@@ -130,16 +140,18 @@ def sampling_params(body: Body, max_tokens: int, logprobs: Optional[int], choice
             stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
             stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos),
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=body.repetition_penalty or 1.0, logit_bias=bias, logprobs=logprobs)
+            repetition_penalty=body.repetition_penalty or 1.0, logit_bias=bias, logprobs=logprobs,
+            logits_processors=processors)
     except RequestError as e:
         raise APIError(400, str(e))
 
 
 def service_submit(service: Service, request: Request, prompts: list[list[int]], body: Body, max_tokens: int,
-                   logprobs: Optional[int]) -> list[Job]:
-    """n jobs per prompt (choice index = prompt index x n + j), queued together or not at all."""
+                   logprobs: Optional[int], processors: Callable[[], tuple] = tuple) -> list[Job]:
+    """n jobs per prompt (choice index = prompt index x n + j), queued together or not at all; `processors()`:
+    each choice's logits processors (a grammar's state is a choice's own)."""
     n = body.n or 1
-    work = [(p, sampling_params(body, max_tokens, logprobs, j)) for p in prompts for j in range(n)]
+    work = [(p, sampling_params(body, max_tokens, logprobs, j, processors())) for p in prompts for j in range(n)]
     return service.submit_all(request, work)
 
 
@@ -156,9 +168,10 @@ class _Answer:
     """The answer to one request of several choices: whole, or as server-sent events."""
 
     def __init__(self, service: Service, prefix: str, kind: str, jobs: list[Job], prompts: list[list[int]],
-                 body: Body, echo: Optional[list[str]] = None):
+                 body: Body, echo: Optional[list[str]] = None, turn: Optional[agent.Turn] = None):
         self.service, self.kind, self.jobs, self.prompts, self.echo = service, kind, jobs, prompts, echo
         self.chat = kind == "chat.completion"
+        self.parsers = [turn.stream() for _ in jobs] if turn is not None else None  # reasoning, tool calls
         self.id, self.created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         self.include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
         self.stop_ids = frozenset(body.stop_token_ids or ()) | (
@@ -184,8 +197,12 @@ class _Answer:
         for i in range(len(self.jobs)):
             text, reason = "".join(texts[i]), finals[i].finish_reason.value
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": self.chat_logprobs(lps[i]), "finish_reason": reason})
+                parser = self.parsers[i]
+                parser.feed(text)
+                parsed = parser.finish()[1]
+                choices.append({"index": i, "message": agent.chat_message(parsed),
+                                "logprobs": self.chat_logprobs(lps[i]),
+                                "finish_reason": agent.finish_reason(parsed, reason)})
             else:
                 choices.append({"index": i, "text": (self.echo[i] if self.echo else "") + text,
                                 "logprobs": self.completion_logprobs(i, lps[i]), "finish_reason": reason})
@@ -194,9 +211,10 @@ class _Answer:
     async def events(self) -> AsyncIterator[str]:
         extra = {"usage": None} if self.include_usage else {}
 
-        def chunk(i: int, delta: str, lps: list[TokenLogprobs], finish: Optional[str]) -> dict:
+        def chunk(i: int, delta: Union[str, dict], lps: list[TokenLogprobs], finish: Optional[str]) -> dict:
             if self.chat:
-                payload = {"delta": {"content": delta} if delta else {}, "logprobs": self.chat_logprobs(lps)}
+                delta = delta if isinstance(delta, dict) else {"content": delta} if delta else {}
+                payload = {"delta": delta, "logprobs": self.chat_logprobs(lps)}
             else:
                 payload = {"text": delta, "logprobs": self.completion_logprobs(i, lps)}
             return {**self.base(True), "choices": [{"index": i, **payload, "finish_reason": finish}], **extra}
@@ -209,7 +227,15 @@ class _Answer:
         finals: dict[int, RequestOutput] = {}
         async for i, out in merged(self.service, self.jobs):
             lps = self.shown(out)
-            if out.text_delta or lps:
+            if self.chat:
+                events = self.parsers[i].feed(out.text_delta) if out.text_delta else []
+                if out.finished:
+                    tail, parsed = self.parsers[i].finish()
+                    events += tail
+                deltas = [agent.chat_delta(e) for e in events] or ([{}] if lps else [])
+                for k, d in enumerate(deltas):
+                    yield _sse(chunk(i, d, lps if k == 0 else [], None))
+            elif out.text_delta or lps:
                 yield _sse(chunk(i, out.text_delta, lps, None))
             if out.finished:
                 failure = self.service.failure(out)
@@ -218,7 +244,8 @@ class _Answer:
                     yield "data: [DONE]\n\n"
                     return
                 finals[i] = out
-                yield _sse(chunk(i, "", [], out.finish_reason.value))
+                reason = out.finish_reason.value
+                yield _sse(chunk(i, "", [], agent.finish_reason(parsed, reason) if self.chat else reason))
         if self.include_usage:
             yield _sse({**self.base(True), "choices": [], "usage": self.usage(finals)})
         yield "data: [DONE]\n\n"

@@ -24,8 +24,8 @@ MAX_CHOICES = 16
 # accepted and without effect: named in X-Hybrid-Ignored-Fields when a request sets them (not to null)
 IGNORED_CHAT = frozenset({"store", "metadata", "service_tier", "user", "safety_identifier", "prompt_cache_key",
                           "prompt_cache_retention", "modalities", "audio", "prediction", "verbosity",
-                          "web_search_options", "reasoning_effort", "stream_options", "tools", "tool_choice",
-                          "parallel_tool_calls", "functions", "function_call", "response_format"})
+                          "web_search_options", "reasoning_effort", "stream_options", "functions",
+                          "function_call"})
 IGNORED_COMPLETION = frozenset({"user", "suffix", "best_of", "stream_options"})
 
 
@@ -102,6 +102,7 @@ class ChatMessage(_Strict):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = Field(None, description="an assistant's reasoning, for templates that keep it")
     refusal: Optional[str] = None
     audio: Optional[_Open] = None
     function_call: Optional[_Open] = None
@@ -128,6 +129,8 @@ class ChatCompletionRequest(_Sampling):
     functions: Optional[list[_Open]] = None
     function_call: Optional[Union[Literal["none", "auto"], _Open]] = None
     response_format: Optional[_Open] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="extension: the chat template's own switches, e.g. {\"thinking\": true}")
     reasoning_effort: Optional[str] = None
     store: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None

@@ -9,7 +9,6 @@ from typing import Iterator
 
 from hybrid.engine.engine import Engine
 from hybrid.engine.plan import Plan
-from hybrid.serve import anthropic, responses
 from hybrid.serve import ServerConfig, ServerThread, create_app
 from hybrid.tokenizer import Tokenizer
 from hybrid.weights.tokenizer_files import write_byte_tokenizer
@@ -31,9 +30,5 @@ def family_tokenizer(root: Path, family: str, vocab: int = 320) -> Tokenizer:
 @contextlib.contextmanager
 def agent_server(model, tok: Tokenizer) -> Iterator[ServerThread]:
     app = create_app(Engine(model, PLAN, tok), ServerConfig(), "tiny")
-    paths = {getattr(r, "path", None) for r in app.routes}
-    for module in (anthropic, responses):  # TEMP until app.py mounts them
-        if not paths & {"/v1/messages", "/v1/responses"} or module is responses and "/v1/responses" not in paths:
-            app.include_router(module.router(app.state.service))
     with ServerThread(app) as srv:
         yield srv
