@@ -64,13 +64,13 @@ def create_app(engine_or_loader: Union[Engine, Loader], cfg: ServerConfig = Serv
         await service.stop()
 
     app = FastAPI(title="hybrid", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  max_body_size=int(cfg.max_body_mb * 2**20),
                   description="OpenAI-compatible chat and text completions over the hybrid serving engine.")
     app.state.service = service
     app.add_middleware(_Gate, service=service)
     if cfg.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=[completions.IGNORED_HEADER, "Retry-After"])
+    app.add_middleware(_BodyLimit, service=service)
     app.add_middleware(_CutOff)
     _install_errors(app, service)
     _routes(app, service)
@@ -188,6 +188,39 @@ class _Gate:
         await error.response()(scope, receive, send)
 
 
+class _BodyLimit:
+    """ASGI middleware: a body over server.max_body_mb gets 413 — at once when its Content-Length says so, else as
+    soon as that much of it has come."""
+
+    def __init__(self, app, service: Service):
+        self.app, self.service = app, service
+        self.limit = int(service.cfg.max_body_mb * 2**20)
+
+    def error(self) -> APIError:
+        return APIError(413, f"the request body is larger than server.max_body_mb ({self.service.cfg.max_body_mb:g} "
+                             f"MiB)", code="body_too_large")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), b"")
+        if length.isdigit() and int(length) > self.limit:
+            if scope["path"] in GENERATE_PATHS:
+                self.service.metrics.outcome("rejected")
+            return await self.error().response()(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # through FastAPI's body parsing: the 413 handler answers it
+                    raise StarletteHTTPException(413, self.error().message)
+            return message
+        await self.app(scope, limited, send)
+
+
 class _CutOff:
     """ASGI middleware: a request whose handler is cancelled (a forced shutdown) still ends with an error in
     OpenAI's shape — a 503 body, or an error event and [DONE] in a stream already begun — never a plain-text 500."""
@@ -256,12 +289,8 @@ def _install_errors(app: FastAPI, service: Service) -> None:
             message, code = f"Invalid URL ({request.method} {request.url.path})", "unknown_url"
         elif exc.status_code == 405:
             message, code = f"Method {request.method} not allowed for {request.url.path}", "method_not_allowed"
-        elif exc.status_code == 413:
-            count(request, "rejected")
-            message = f"the request body is larger than server.max_body_mb ({service.cfg.max_body_mb:g} MiB)"
-            code = "body_too_large"
         else:
-            message, code = str(exc.detail), None
+            message, code = str(exc.detail), "body_too_large" if exc.status_code == 413 else None
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return JSONResponse(error_body(message, kind, None, code), exc.status_code, exc.headers)
 
