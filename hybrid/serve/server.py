@@ -4,14 +4,18 @@ of the calling process (tests, benchmarks).
     serve(engine, ServerConfig(port=8000, api_key="..."), "DeepSeek-V3")    # or serve(loader, ...)
 
 Shutdown: the first SIGTERM/SIGINT stops taking requests (503; /health 503), gives those in flight
-`shutdown_grace_s` to finish, aborts the rest, then stops uvicorn; serve() returns (exit status 0). A second signal
-stops at once.
+`shutdown_grace_s` to finish, aborts the rest, then stops uvicorn; a second signal aborts the requests in flight at
+once (each gets its error: a 503 body, or an error event in its stream); a third stops waiting for their
+connections. Whichever way, the engine's thread is stopped and joined (with the native threads idle) before serve()
+returns (exit status 0); an engine step that does not end within ENGINE_STOP_S ends the process with status 130.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+import sys
 import threading
 import time
 from typing import Optional, Union
@@ -26,38 +30,43 @@ from hybrid.config.schema import ServerConfig
 log = logging.getLogger("hybrid.serve")
 
 UVICORN_GRACE_S = 5.0  # after the drain: how long uvicorn waits for the last responses to be written
+ENGINE_STOP_S = 30.0  # at exit: how long the engine's last step may take
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, draining the app's requests on the first signal. The signal is handled, not re-raised at exit."""
+    """uvicorn, draining the app's requests on the first signal, aborting them on the second. The signals are
+    handled, not re-raised at exit."""
 
     def __init__(self, config: uvicorn.Config, service: Service, grace_s: float):
         super().__init__(config)
         self.service, self.grace_s = service, grace_s
         self.loop: Optional[asyncio.AbstractEventLoop] = None
-        self._draining = False
-        self._drain_task: Optional[asyncio.Task] = None
+        self.signals = 0
+        self._drains: list[asyncio.Task] = []
 
     async def serve(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig, frame) -> None:
-        if self._draining or self.loop is None:
+        self.signals += 1
+        if self.loop is None or self.signals > 2:
             self.should_exit = True
-            self.force_exit = self._draining
+            self.force_exit = self.signals > 2
             return
-        self._draining = True
-        log.info("shutting down: new requests get 503; up to %.1f s for the %d in flight", self.grace_s,
-                 len(self.service.jobs))
-        self.loop.call_soon_threadsafe(self._start_drain)
+        if self.signals == 1:
+            log.info("shutting down: new requests get 503; up to %.1f s for the %d in flight", self.grace_s,
+                     len(self.service.jobs))
+        else:
+            log.warning("second signal: aborting the %d request(s) in flight", len(self.service.jobs))
+        self.loop.call_soon_threadsafe(self._start_drain, self.grace_s if self.signals == 1 else 0.0)
 
-    def _start_drain(self) -> None:
-        self._drain_task = asyncio.ensure_future(self._drain())
+    def _start_drain(self, grace_s: float) -> None:
+        self._drains.append(asyncio.ensure_future(self._drain(grace_s)))
 
-    async def _drain(self) -> None:
+    async def _drain(self, grace_s: float) -> None:
         try:
-            await self.service.drain(self.grace_s)
+            await self.service.drain(grace_s)
         finally:
             self.should_exit = True
 
@@ -74,9 +83,24 @@ def serve(engine: Union[Engine, Loader], cfg: ServerConfig, model_name: str, log
     def failed(_e: BaseException) -> None:
         server.should_exit = True
     service.on_load_failed = failed
-    server.run()
+    try:
+        server.run()
+    finally:
+        _stop_engine(service)
     if service.load_error is not None:
         raise service.load_error
+
+
+def _stop_engine(service: Service) -> None:
+    """The engine's thread joined, so that the process never exits beside a step in native code. A step that does
+    not end in time leaves no clean way out: the process ends at once, with status 130."""
+    service.stop_engine(ENGINE_STOP_S)
+    if service.loop is not None and service.loop.alive:
+        log.error("the engine's step did not end within %.0f s: exiting without waiting for it", ENGINE_STOP_S)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
 
 
 def _log_to_stderr(level: str) -> None:

@@ -4,6 +4,7 @@ stream), and the process exits with status 0."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -89,3 +90,102 @@ def test_sigterm_finishes_what_it_can_aborts_the_rest_and_exits_0(tiny_dir, tmp_
             proc.kill()
             proc.wait()
         log.close()
+
+
+def _wait_ready(proc, url: str, log_path: Path, headers: dict) -> None:
+    end = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=1, headers=headers).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < end, "the server did not become ready"
+        time.sleep(0.1)
+
+
+def _long(url: str, headers: dict, stream: bool, got: dict, started: threading.Event) -> None:
+    body = {"model": MODEL, "prompt": "cut", "max_tokens": 3000, "temperature": 0, "stream": stream,
+            "ignore_eos": True}
+    if not stream:  # its answer comes at its end
+        started.set()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60) as r:
+        got["status"] = r.status_code
+        if not stream:
+            got["body"] = json.loads(r.read())
+            return
+        got["events"] = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got["events"].append(line[6:])
+                started.set()
+
+
+def test_a_second_signal_ends_cleanly_and_the_key_stays_out_of_runs(tmp_path):
+    """`python -m hybrid mode=serve` with the native MoE kernels: SIGTERM twice while requests run aborts them with
+    errors in OpenAI's shape (an error event in the stream, a 503 body), stops and joins the engine and its native
+    threads, and exits 0 — no abort. The API key given on the command line is nowhere under the run's directory."""
+    port, key = _free_port(), "sk-never-on-disk-5f3a"
+    url, headers = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {key}"}
+    log_path, run_dir = tmp_path / "server.log", tmp_path / "run"
+    env = {**os.environ, "HYBRID_TRACKING": "0"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "hybrid", "mode=serve", f"server.port={port}",
+                                 f"server.api_key={key}", f"hydra.run.dir={run_dir}"],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_ready(proc, url, log_path, headers)
+        streamed, whole = {}, {}
+        started = [threading.Event(), threading.Event()]
+        threads = [threading.Thread(target=_long, args=(url, headers, True, streamed, started[0])),
+                   threading.Thread(target=_long, args=(url, headers, False, whole, started[1]))]
+        for t in threads:
+            t.start()
+        assert all(e.wait(30) for e in started)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert proc.wait(60) in (0, 130), log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log_path.read_text()
+    assert "terminate called" not in text and "Traceback" not in text, text
+    error = json.loads(streamed["events"][-2])["error"]
+    assert streamed["events"][-1] == "[DONE]" and "shutting down" in error["message"], streamed["events"][-3:]
+    assert whole["status"] == 503 and "shutting down" in whole["body"]["error"]["message"], whole
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert all(key not in p.read_text(errors="replace") for p in written), written
+
+
+def test_a_cancelled_handler_answers_json_not_plain_text(tiny_model, tiny_tok):
+    """A handler cancelled by uvicorn (its graceful shutdown timing out) still ends with OpenAI's error shape."""
+    from hybrid.engine.engine import Engine
+    from tests.serve.conftest import PLAN, running
+
+    engine = Engine(tiny_model, PLAN, tiny_tok)
+    step = engine.step
+
+    def slow():
+        time.sleep(0.2)
+        return step()
+    engine.step = slow
+    streamed, whole = {}, {}
+    started = [threading.Event(), threading.Event()]
+    with running(engine) as srv:
+        srv.server.config.timeout_graceful_shutdown = 0.5
+        threads = [threading.Thread(target=_long, args=(srv.url, {}, True, streamed, started[0])),
+                   threading.Thread(target=_long, args=(srv.url, {}, False, whole, started[1]))]
+        for t in threads:
+            t.start()
+        assert all(e.wait(30) for e in started)
+        time.sleep(0.3)
+    for t in threads:
+        t.join(30)
+    assert whole["status"] == 503 and whole["body"]["error"]["code"] == "aborted", whole
+    assert streamed["events"][-1] == "[DONE]" and json.loads(streamed["events"][-2])["error"]["code"] == "aborted"
