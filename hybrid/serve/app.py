@@ -260,11 +260,13 @@ async def _cut_off(state: dict, send) -> None:
 
 
 def _bearer(scope) -> Optional[str]:
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else None
-    return None
+    """The key of `Authorization: Bearer KEY`, or of `x-api-key: KEY` (Anthropic's clients)."""
+    headers = dict(scope.get("headers", ()))
+    if b"authorization" in headers:
+        scheme, _, token = headers[b"authorization"].decode("latin-1").partition(" ")
+        return token.strip() if scheme.lower() == "bearer" else None
+    key = headers.get(b"x-api-key")
+    return key.decode("latin-1").strip() if key is not None else None
 
 
 def _install_errors(app: FastAPI, service: Service) -> None:

@@ -90,3 +90,17 @@ def test_errors_are_specific(client):
                                tool_choice={"type": "tool", "name": "nope"})
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="other", max_tokens=4, messages=HELLO)
+
+
+def test_the_api_key_from_x_api_key(tiny_model, tiny_tok):
+    """Anthropic's clients send the key as x-api-key."""
+    from hybrid.engine.engine import Engine
+    from hybrid.serve import ServerConfig, ServerThread, create_app
+    from tests.serve.agents import PLAN
+
+    with ServerThread(create_app(Engine(tiny_model, PLAN, tiny_tok), ServerConfig(api_key="k3y"), "tiny")) as srv:
+        good = anthropic.Anthropic(base_url=srv.url, api_key="k3y", max_retries=0, timeout=60)
+        assert good.messages.count_tokens(model="tiny", messages=HELLO).input_tokens > 0
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0).messages.count_tokens(
+                model="tiny", messages=HELLO)
