@@ -105,8 +105,8 @@ def _wait_ready(proc, url: str, log_path: Path, headers: dict) -> None:
         time.sleep(0.1)
 
 
-def _long(url: str, headers: dict, stream: bool, got: dict, started: threading.Event) -> None:
-    body = {"model": MODEL, "prompt": "cut", "max_tokens": 3000, "temperature": 0, "stream": stream,
+def _long(url: str, headers: dict, stream: bool, got: dict, started: threading.Event, max_tokens: int = 3000) -> None:
+    body = {"model": MODEL, "prompt": "cut", "max_tokens": max_tokens, "temperature": 0, "stream": stream,
             "ignore_eos": True}
     if not stream:  # its answer comes at its end
         started.set()
@@ -179,8 +179,8 @@ def test_a_cancelled_handler_answers_json_not_plain_text(tiny_model, tiny_tok):
     started = [threading.Event(), threading.Event()]
     with running(engine) as srv:
         srv.server.config.timeout_graceful_shutdown = 0.5
-        threads = [threading.Thread(target=_long, args=(srv.url, {}, True, streamed, started[0])),
-                   threading.Thread(target=_long, args=(srv.url, {}, False, whole, started[1]))]
+        threads = [threading.Thread(target=_long, args=(srv.url, {}, True, streamed, started[0], 100)),
+                   threading.Thread(target=_long, args=(srv.url, {}, False, whole, started[1], 100))]
         for t in threads:
             t.start()
         assert all(e.wait(30) for e in started)
