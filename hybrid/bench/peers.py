@@ -176,7 +176,7 @@ def lm_head_effect(args) -> None:
 
     from hybrid.config.compose import compose, to_settings
     from hybrid.engine.build import build
-    from hybrid.engine.placement import lm_head_to_fp8
+    from hybrid.placement.passes import lm_head_to_fp8
 
     s = to_settings(compose([f"model={args.model}", "+hw=cpu_only", "tracking.enabled=false",
                              "policy.kv.max_batch=1", "policy.decode.batch_cap=1",

@@ -21,8 +21,8 @@ from hybrid.bench.decode import FULL_MOE_LAYERS
 from hybrid.bench.prefill import h2d_rate, matmul_rate
 from hybrid.bench.records import Record, Records
 from hybrid.engine.build import slot_bytes
-from hybrid.engine.memory import auto_ring_len, free_bytes, ring_budget
-from hybrid.engine.placement import experts_to_cpu_kernels, place
+from hybrid.placement.memory import auto_ring_len, free_bytes, ring_budget
+from hybrid.placement.passes import experts_to_cpu_kernels, place
 from hybrid.errors import ConfigError
 from hybrid.kernels import fp8_linear
 from hybrid.kernels.dispatch import kernel_name

@@ -18,13 +18,13 @@ import torch
 from hybrid import models
 from hybrid.config.schema import HwConfig, HybridConfig, PolicyConfig, slp_cutoff
 from hybrid.engine.engine import Engine
-from hybrid.engine.hot_experts import HotExperts
+from hybrid.placement.hot_experts import HotExperts
 from hybrid.engine.long_prefill import LongPrefill
-from hybrid.engine.memory import Ledger, auto_chunk, check_kv_cache, free_bytes, group_bytes, kv_cache_bytes
-from hybrid.engine.placement import (chunk_prefill_attention, cpu_experts, experts_to_cpu_kernels,
+from hybrid.placement.memory import Ledger, auto_chunk, check_kv_cache, free_bytes, group_bytes, kv_cache_bytes
+from hybrid.placement.passes import (chunk_prefill_attention, cpu_experts, experts_to_cpu_kernels,
                                      hot_experts_to_device, pin_experts, place)
 from hybrid.engine.plan import Plan, resolve_prefill_gpus
-from hybrid.engine.staging import Staging
+from hybrid.placement.staging import Staging
 from hybrid.engine.streams import prefill_sms
 from hybrid.errors import ConfigError
 from hybrid.kernels import combine, fp8_linear, pointwise, thread_pool

@@ -53,8 +53,8 @@ from typing import Callable, ContextManager, Optional, Sequence
 import torch
 
 from hybrid import _native
-from hybrid.engine.placement import CpuExperts, DeferredCpuExperts, ExpertsWrapper, cpu_experts, swap_experts
-from hybrid.engine.staging import Staging
+from hybrid.placement.passes import CpuExperts, DeferredCpuExperts, ExpertsWrapper, cpu_experts, swap_experts
+from hybrid.placement.staging import Staging
 from hybrid.engine.streams import decode_stream
 from hybrid.config.schema import CPU_JOINS
 from hybrid.errors import ConfigError

@@ -207,6 +207,7 @@ class Engine:
                 if chunk.beside and self._beside_applies(chunk):
                     try:
                         self._beside = self._start_beside(chunk)
+                        chunk.request.state = State.streaming
                     except Exception as e:  # no stream or thread to run it: this request fails, the others go on
                         self._fail([chunk.request], e, changed)
                     self._size_pool(changed)
@@ -654,7 +655,6 @@ class _Beside:
         b = cls(chunk, threading.Thread(target=lambda: b._run(engine), name=f"prefill-{req.id}", daemon=True),
                 threading.Event(), threading.Event(), side)
         b.thread.start()
-        req.state = State.streaming
         return b
 
     def cancel(self) -> None:

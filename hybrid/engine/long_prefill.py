@@ -9,7 +9,7 @@ from typing import ContextManager, Optional
 
 import torch
 
-from hybrid.engine.memory import auto_ring_len, free_bytes, ring_budget
+from hybrid.placement.memory import auto_ring_len, free_bytes, ring_budget
 from hybrid.kernels.fp8_linear import Fp8Gemm
 from hybrid.model.transformer import Transformer
 from hybrid.prefill.slp import StreamLoader

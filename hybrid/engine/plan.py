@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from hybrid.engine.memory import Ledger
+from hybrid.placement.memory import Ledger
 from hybrid.errors import ConfigError
 
 

@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from hybrid.engine.placement import CpuExperts, ExpertsWrapper, swap_experts
+from hybrid.placement.passes import CpuExperts, ExpertsWrapper, swap_experts
 from hybrid.model.moe import MoE
 from hybrid.model.transformer import Block
 

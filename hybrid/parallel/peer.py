@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from hybrid.engine.memory import auto_ring_len, free_bytes, ring_budget
+from hybrid.placement.memory import auto_ring_len, free_bytes, ring_budget
 from hybrid.parallel.group import Dist, process_group, rank_device
 from hybrid.parallel.prefill import Streaming, parallel_prefill
 from hybrid.parallel.shared import attach_experts, pin_shared
@@ -76,7 +76,7 @@ def streaming(model: nn.Module, device: torch.device, loader: StreamLoader, toke
               share: Optional[int] = None) -> Streaming:
     """The ring for a prefill of `tokens` tokens on `device`: policy.prefill.ring_len, else as deep as the memory
     left beside the activations allows, over `share` experts per layer (a rank's share; None: all of them)."""
-    from hybrid.engine.placement import cpu_experts
+    from hybrid.placement.passes import cpu_experts
 
     layer = cpu_experts(model)[0]
     slot = layout(expert_tensors(layer.host_experts[0]))[1]
@@ -440,8 +440,6 @@ class PeerPrefill:
 
     @classmethod
     def start(cls, peer: Peer, chunk, cache, knobs: Knobs) -> "PeerPrefill":
-        from hybrid.engine.requests import State
-
         req = chunk.request
         if chunk.start != 0:
             raise ValueError(f"a prefill on the peer starts at position 0, not {chunk.start}")
@@ -452,7 +450,6 @@ class PeerPrefill:
         p = cls(chunk, threading.Thread(target=lambda: p._run(peer, cache, knobs), name=f"peer-prefill-{req.id}",
                                         daemon=True), threading.Event(), threading.Event(), side)
         p.thread.start()
-        req.state = State.streaming
         return p
 
     def cancel(self) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid.engine.pinned import page_lock
-from hybrid.engine.placement import CpuExperts, cpu_experts, move_into_arena
+from hybrid.placement.pinned import page_lock
+from hybrid.placement.passes import CpuExperts, cpu_experts, move_into_arena
 from hybrid.prefill.ring import expert_tensors, layout
 
 

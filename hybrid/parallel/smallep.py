@@ -126,7 +126,7 @@ class ShardedMoE(nn.Module):
         """w_P[p] · expert ids_P[p] (x_PD[p]): one pick per row, every one of this rank's share."""
         if self.local is not None:
             return self.local.start(x_PD, w_P[:, None], (ids_P - self.owned.start)[:, None]).result()
-        from hybrid.engine.placement import CpuExperts
+        from hybrid.placement.passes import CpuExperts
 
         experts = self.moe.experts
         if not isinstance(experts, (RoutedExperts, CpuExperts)):

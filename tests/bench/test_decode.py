@@ -6,9 +6,9 @@ import torch
 
 from hybrid.bench.decode import DEVICE_PARTS, HOST_PARTS, project
 from hybrid.config.compose import compose, to_settings
-from hybrid.engine.placement import CpuExperts, cpu_experts, experts_to_cpu_kernels
+from hybrid.placement.passes import CpuExperts, cpu_experts, experts_to_cpu_kernels
 from hybrid.engine.profile import StepProfile, TimedExperts
-from hybrid.engine.staging import Staging
+from hybrid.placement.staging import Staging
 from hybrid.model.moe import MoE
 from hybrid.run import bench
 from hybrid.hw.detect import detect

@@ -14,8 +14,8 @@ import torch
 from hybrid.bench import bounds
 from hybrid.bench.slo import bytes_per_decode_step, run
 from hybrid.config.compose import compose, to_settings
-from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, pin_experts, place
-from hybrid.engine.staging import Staging
+from hybrid.placement.passes import cpu_experts, experts_to_cpu_kernels, pin_experts, place
+from hybrid.placement.staging import Staging
 from hybrid.model.moe import RoutedExperts
 from hybrid.weights.checkpoint import Checkpoint
 from hybrid.weights.loader import load_model

@@ -13,7 +13,7 @@ import torch
 
 from hybrid.engine.build import slot_bytes
 from hybrid.engine.engine import Engine
-from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, pin_experts
+from hybrid.placement.passes import cpu_experts, experts_to_cpu_kernels, pin_experts
 from hybrid.engine.plan import Plan
 from hybrid.engine.requests import FinishReason, SamplingParams
 from hybrid.errors import ConfigError

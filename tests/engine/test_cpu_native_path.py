@@ -20,7 +20,7 @@ import torch
 from hybrid.config.compose import compose, to_settings
 from hybrid.engine.build import build
 from hybrid.engine.engine import Engine
-from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, place
+from hybrid.placement.passes import cpu_experts, experts_to_cpu_kernels, place
 from hybrid.engine.plan import Plan
 from hybrid.engine.requests import SamplingParams
 from hybrid.kernels.dispatch import available

@@ -13,8 +13,8 @@ from hybrid.engine.requests import SamplingParams
 from hybrid.engine.build import build
 from hybrid.engine.cuda_graphs import (AHEAD_TOKENS, MIN_BUCKET, CapturedExperts, GraphedDecode, _Graph,
                                        buckets_ahead, kv_bucket, stream_waits)
-from hybrid.engine.placement import CpuExperts, cpu_experts, experts_to_cpu_kernels, swap_experts
-from hybrid.engine.staging import Staging
+from hybrid.placement.passes import CpuExperts, cpu_experts, experts_to_cpu_kernels, swap_experts
+from hybrid.placement.staging import Staging
 from hybrid.model.moe import MoE
 from hybrid.weights.checkpoint import Checkpoint
 from hybrid.weights.loader import load_model

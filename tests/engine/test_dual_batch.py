@@ -11,10 +11,10 @@ from hybrid.config import compose, to_settings
 from hybrid.engine.build import build
 from hybrid.engine.cuda_graphs import CpuStep, interleave
 from hybrid.engine.engine import Engine, micro_batches
-from hybrid.engine.placement import CpuExperts, experts_to_cpu_kernels
+from hybrid.placement.passes import CpuExperts, experts_to_cpu_kernels
 from hybrid.engine.plan import Plan
 from hybrid.engine.requests import FinishReason, Request, SamplingParams
-from hybrid.engine.staging import Staging
+from hybrid.placement.staging import Staging
 from hybrid.model.moe import MoE
 from hybrid.models import Checkpoint, load_model
 from tests.engine.test_serving import PLAN, _check_solo, _drive, _greedy, _prompt, _solo

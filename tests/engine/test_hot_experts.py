@@ -11,10 +11,10 @@ from hybrid.engine.build import build
 from hybrid.engine.engine import Engine
 from hybrid.engine.plan import Plan
 from hybrid.engine.requests import SamplingParams
-from hybrid.engine.hot_experts import HotExperts
-from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, hot_experts_to_device
+from hybrid.placement.hot_experts import HotExperts
+from hybrid.placement.passes import cpu_experts, experts_to_cpu_kernels, hot_experts_to_device
 from hybrid.engine.profile import TimedExperts
-from hybrid.engine.staging import Staging
+from hybrid.placement.staging import Staging
 from hybrid.errors import ConfigError
 from hybrid.model.moe import MoE
 from hybrid.weights.checkpoint import Checkpoint

@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from hybrid.engine.pinned import PAGE, pinned_bytes
+from hybrid.placement.pinned import PAGE, pinned_bytes
 
 
 class FakeRuntime:

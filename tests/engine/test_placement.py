@@ -9,12 +9,12 @@ import torch
 from hybrid.config.compose import compose, to_settings
 from hybrid.engine.build import build, compute_device
 from hybrid.engine.engine import Engine
-from hybrid.engine.memory import check_kv_cache
+from hybrid.placement.memory import check_kv_cache
 from hybrid.engine.plan import Plan
 from hybrid.engine.requests import SamplingParams
-from hybrid.engine.placement import (VARIANTS, CpuExperts, DeferredCpuExperts, ExpertsWrapper, cpu_experts,
+from hybrid.placement.passes import (VARIANTS, CpuExperts, DeferredCpuExperts, ExpertsWrapper, cpu_experts,
                                      experts_to_cpu_kernels, pin_experts, place, swap_experts)
-from hybrid.engine.staging import Staging
+from hybrid.placement.staging import Staging
 from hybrid.errors import ConfigError
 from hybrid.model.moe import MoE
 from hybrid.prefill.slp import HostExpertLayer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid.engine.staging import Staging, mapped, read_in_place
+from hybrid.placement.staging import Staging, mapped, read_in_place
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned memory the GPU reads in place)")
 

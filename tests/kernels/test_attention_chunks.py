@@ -70,7 +70,7 @@ def test_more_queries_than_keys_is_refused():
 
 
 def _set_chunk(m, tokens: int) -> None:
-    from hybrid.engine.placement import chunk_prefill_attention
+    from hybrid.placement.passes import chunk_prefill_attention
 
     chunk_prefill_attention(m, tokens)
 

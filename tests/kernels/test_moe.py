@@ -383,7 +383,7 @@ def test_placement_on_tiny_model(tiny_dir):
         dequantised weights, gate, up, SiLU, h, each expert's output and the sum): ~6 roundings of <= 2^-9.
     Observed: ~3e-3 and ~1e-2.
     """
-    from hybrid.engine.placement import CpuExperts, experts_to_cpu_kernels
+    from hybrid.placement.passes import CpuExperts, experts_to_cpu_kernels
     from hybrid.model.moe import MoE
     from hybrid.weights.checkpoint import Checkpoint
     from hybrid.weights.loader import load_model

@@ -17,7 +17,7 @@ import torch
 from hybrid.engine.engine import Engine
 from hybrid.engine.plan import Plan
 from hybrid.engine.requests import SamplingParams
-from hybrid.engine.placement import experts_to_cpu_kernels
+from hybrid.placement.passes import experts_to_cpu_kernels
 from hybrid.weights.checkpoint import Checkpoint
 from hybrid.weights.loader import load_model
 from hybrid.weights.synthetic import write_checkpoint

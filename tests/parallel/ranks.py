@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from hybrid.engine.placement import experts_to_cpu_kernels
+from hybrid.placement.passes import experts_to_cpu_kernels
 from hybrid.parallel.group import Dist
 from hybrid.parallel.prefill import Streaming, parallel_prefill
 from hybrid.parallel.shared import attach_experts, pin_shared

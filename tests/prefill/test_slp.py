@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from hybrid.engine.engine import Engine
-from hybrid.engine.memory import auto_ring_len
+from hybrid.placement.memory import auto_ring_len
 from hybrid.engine.plan import Plan
 from hybrid.engine.requests import SamplingParams
-from hybrid.engine.placement import cpu_experts, experts_to_cpu_kernels, pin_experts
+from hybrid.placement.passes import cpu_experts, experts_to_cpu_kernels, pin_experts
 from hybrid.errors import ConfigError
 from hybrid.model.moe import MoE
 from hybrid.prefill.ring import overwritten_before_off
@@ -98,7 +98,7 @@ def test_a_kept_ring_counts_as_free_in_the_next_prefills_budget(tiny_dir, monkey
 
 
 def test_the_ring_budget_takes_the_activations_and_the_group_buffer():
-    from hybrid.engine.memory import activation_bytes, group_bytes, ring_budget
+    from hybrid.placement.memory import activation_bytes, group_bytes, ring_budget
     from hybrid.model.args import ModelArgs
     from hybrid.weights.presets import DEEPSEEK_V3
 
@@ -165,7 +165,7 @@ def _streamed_layer(hybrid, group: int, x, w, ids, device=CPU, loader=None):
 
 
 def test_a_streamed_layer_counts_its_routing_for_the_hot_experts(tiny_dir):
-    from hybrid.engine.placement import hot_experts_to_device
+    from hybrid.placement.passes import hot_experts_to_device
 
     _, hybrid = _models(tiny_dir)
     hot = hot_experts_to_device(hybrid, 2, CPU)
@@ -358,7 +358,7 @@ def test_auto_ring_len_is_as_deep_as_the_budget_allows_up_to_a_layer():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_slp_on_the_gpu_matches_the_plain_forward(tiny_dir):
-    from hybrid.engine.placement import pin_experts, place
+    from hybrid.placement.passes import pin_experts, place
 
     plain, hybrid = _models(tiny_dir)
     gpu = torch.device("cuda", 0)
@@ -375,7 +375,7 @@ def test_slp_on_the_gpu_matches_the_plain_forward(tiny_dir):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_grouped_experts_on_the_gpu_match_one_at_a_time(block_aligned_dir, grouped_calls):
-    from hybrid.engine.placement import pin_experts, place
+    from hybrid.placement.passes import pin_experts, place
 
     gpu = torch.device("cuda", 0)
     hybrid = load_model(Checkpoint(block_aligned_dir), torch.bfloat16, progress=False)
@@ -451,7 +451,7 @@ def test_auto_groups_where_a_grouped_gemm_applies_and_quietly_goes_one_at_a_time
 
 
 def test_the_group_buffer_is_counted_in_the_budget():
-    from hybrid.engine.memory import group_bytes
+    from hybrid.placement.memory import group_bytes
     from hybrid.model.args import ModelArgs
     from hybrid.weights.presets import DEEPSEEK_V3
 
@@ -460,7 +460,7 @@ def test_the_group_buffer_is_counted_in_the_budget():
 
 
 def test_auto_chunk_fits_the_budget():
-    from hybrid.engine.memory import activation_bytes, auto_chunk
+    from hybrid.placement.memory import activation_bytes, auto_chunk
     from hybrid.model.args import ModelArgs
     from hybrid.weights.presets import DEEPSEEK_V3
 

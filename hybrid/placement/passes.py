@@ -26,15 +26,15 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import nn
 
-from hybrid.engine.pinned import pinned_bytes, trim_heap
+from hybrid.placement.pinned import pinned_bytes, trim_heap
 from hybrid.kernels.fp8_linear import DEFAULT_GEMM, CpuFp8Gemm, Fp8Gemm
 from hybrid.kernels.moe import CpuMoE
 from hybrid.kernels.pointwise import FUSED, Fused
 from hybrid.model.attention import MLA
 from hybrid.model.layers import Linear, RMSNorm
 from hybrid.model.moe import MoE, RoutedExperts, Router
-from hybrid.engine.hot_experts import PROJ, HotExperts
-from hybrid.engine.staging import Deferral, Staging
+from hybrid.placement.hot_experts import PROJ, HotExperts
+from hybrid.placement.staging import Deferral, Staging
 from hybrid.prefill.ring import expert_tensors, layout
 from hybrid.quant import fp8
 
