@@ -1,4 +1,4 @@
-"""Side by side with llama.cpp on the CPU (docs/perf-notes.md has the recipe; docs/perf/cpu-attention.md the figures
+"""Side by side with llama.cpp on the CPU (docs/perf/cpu-only.md has the recipe; docs/perf/cpu-attention.md the figures
 at depth): the same generated checkpoint, batch 1, decode tokens/s at several depths (`--depths`, as llama-bench's
 -d: DECODE_TOKENS greedy steps after that many cached positions) and prefill tokens/s (a 512-token prompt), rounds
 interleaved, one process per side and round (the two sides' weights do not fit in the page cache of a 24 GB machine

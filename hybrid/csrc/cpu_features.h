@@ -11,7 +11,7 @@ std::map<std::string, bool> cpu_features();
 
 // Whether FMAs take subnormal inputs at full speed (AMD Zen and its Hygon derivatives: vendor ids AuthenticAMD
 // and HygonGenuine). Intel cores take a microcode assist per such input unless MXCSR's DAZ flushes it: measured
-// ~17x slower on the H200 test machine's Xeon with one weight code in 16 subnormal (docs/perf-notes.md).
+// ~17x slower on the H200 test machine's Xeon with one weight code in 16 subnormal (docs/perf/journal.md).
 bool subnormal_inputs_at_full_speed();
 
 // The processor's brand string, e.g. "AMD EPYC 9355 32-Core Processor".

@@ -77,7 +77,7 @@ struct Tunables {
   bool batch_invariant = false;
   // Variant amx: from this many tokens on, an FP8 GEMM runs on AMX tiles; below, on the AVX-512 kernel.
   // H200 test machine's Xeon, one layer of 256 experts, 16 threads: AMX ahead at 4 tokens per expert (108 against
-  // 153 ms), a tie at 3, AVX-512 ahead at 2 (docs/perf-notes.md, V1-V2). policy.cpu.amx_min_tokens sets it.
+  // 153 ms), a tie at 3, AVX-512 ahead at 2 (docs/perf/journal.md, V1-V2). policy.cpu.amx_min_tokens sets it.
   int64_t amx_min_m = 4;  // hybrid/kernels/gemm.py AMX_MIN_TOKENS
   // Variant amx: where each FP8 load's prefetch into L2 points: -1 = the same spot of the next 32-row group (whose
   // bytes then arrive while this group's tiles multiply), 0 = no prefetch (the hardware prefetchers alone),

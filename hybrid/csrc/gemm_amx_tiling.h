@@ -66,7 +66,7 @@ inline void store_rows(const GemmProblem& p, int64_t g, int64_t rows, const floa
 // same rows, or the first block of the next 32 rows) is converted into the other half, a quarter of its rows after
 // each 32-lane chunk's products. Converting first and multiplying after left the tile unit idle during the
 // conversions and the vector units idle during the products (H200 test machine's Xeon, 16 threads, T = 512
-// balanced over 256 experts: 149.5 against 176.7 ms per layer, the two orders side by side; docs/perf-notes.md).
+// balanced over 256 experts: 149.5 against 176.7 ms per layer, the two orders side by side; docs/perf/journal.md).
 template <class Ops>
 void amx_rows(const GemmProblem& p, const uint16_t* xv, int64_t n0, int64_t n1, uint16_t* buf, float* acc) {
   const int64_t kp = padded_k(p.K), groups = (p.M + 31) / 32;

@@ -200,7 +200,7 @@ struct Job {
 // of 64) one line per row, the line for (c, r) at w + ahead + (c / 64) * per_line + r * per_row. Rows stored back
 // to back (ldw == K) take the group's bytes in address order (per_line = R * 64, per_row = 64): one sequential
 // stream, which memory serves faster than R streams one row apart, most of all for short rows (the down
-// projection's 2 KB: see docs/perf-notes.md); other strides the same columns of the next rows (64, ldw).
+// projection's 2 KB: see docs/perf/journal.md); other strides the same columns of the next rows (64, ldw).
 // ahead = 0: none.
 struct Prefetch {
   int64_t ahead, per_line, per_row;

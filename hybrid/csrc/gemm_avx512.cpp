@@ -132,7 +132,7 @@ const Tables& tables() {
 // then the two), four accumulators to a register, before the scale: N/4 FMAs a block with unpacks and adds, where
 // vdpbf16ps shares its pipes with FMAs and stores but not with those (a zmm store costs ~1.5 of its cycles). AMD
 // Zen 4, 2 cores, one layer of 32 experts side by side with LaneSums: 1.15-1.18x faster at 8-32 tokens per expert,
-// the same at 1-4 (docs/perf-notes.md).
+// the same at 1-4 (docs/perf/journal.md).
 template <int N>
 struct QuadSums {
   static constexpr int kBlk = (N + 3) / 4 * 4;  // accumulators, padded with zeros to whole registers of sums
@@ -288,7 +288,7 @@ void rows_tokens_outer(const GemmProblem& p, const uint16_t* xp, int64_t n0, int
 // than the streaming form: under batch invariance (Tunables) the converted tiles keep the streaming form's sums.
 // Rows are taken 32 at a time from n0, a multiple of 16 (both callers split rows so), so that each group of 16
 // lies in one 128-row scale block.
-// AMD Zen 4 (dev machine, docs/perf-notes.md): the multiply loop runs at ~0.85-0.95 vdpbf16ps per cycle against
+// AMD Zen 4 (dev machine, docs/perf/journal.md): the multiply loop runs at ~0.85-0.95 vdpbf16ps per cycle against
 // ~0.6-0.67 for the streaming form's; building a slab costs ~0.3-0.37 cycles per weight (~220 vector operations per
 // 16 rows x 64 K), so the next block's slab is built in steps between the current block's products (SlabBuilder).
 // One MoE layer of 32 experts against streaming: 1.11x at 16 tokens per expert, 1.14-1.26x at 24-48, 0.83-0.85x
@@ -500,7 +500,7 @@ void HYBRID_AVX512_FN(gemm_rows)(const GemmProblem& p, const uint16_t* xp, int64
     HYBRID_AVX512_FN(convert_rows)(p, g, count, 0, ld / kChunk, kTileRows * p.ldw, tile_buf, ld);
     auto tile_rows = [&](int64_t n) { return Bf16Tile{tile_buf + (n - g) * ld, ld}; };
 #if HYBRID_AVX512_NO_BF16
-    // Measured on an Emerald Rapids VM (docs/perf-notes.md, 2026-12-01): tokens outermost beat rows<2, 4> by
+    // Measured on an Emerald Rapids VM (docs/perf/journal.md, 2026-12-01): tokens outermost beat rows<2, 4> by
     // ~1.2-1.7x at M = 512; a tile kept in FP32 (no odd/even split in the loop, twice the scratch) was no faster.
     rows_tokens_outer<3, 4>(p, xp, g, g + count, tile_rows);
 #else

@@ -65,7 +65,7 @@ const std::string& avx512_lacks() {
 
 // auto: the AVX-512 code wherever the CPU has AVX-512 F/BW/VL, also where the GEMM's best variant is avx512 or
 // avx2 (AVX-512 without BF16: on such a Xeon the AVX-512 code reads the key half at 36 GB/s per thread from L2
-// against the AVX2 code's 30, 16-17 against 13-14 GB/s from memory on 2 threads; docs/perf-notes.md); a named
+// against the AVX2 code's 30, 16-17 against 13-14 GB/s from memory on 2 threads; docs/perf/journal.md); a named
 // variant runs its own ISA's code (policy.cpu.kernel=avx2 forces the AVX2 code, as for the GEMM).
 HeadCode head_code(const std::string& name) {
   if (name == "avx512") {

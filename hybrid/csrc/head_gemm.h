@@ -15,7 +15,7 @@
 //   as a second copy: the copy would cost another 16 MiB per layer (1 GB for DeepSeek-V3's 61 layers, next to
 //   the 2 GB the kept halves already take) for one product out of the two; the in-place form costs an
 //   L1-resident accumulator row per token and more instructions per weight (an accumulator load and store per
-//   group of rows). Measured (docs/perf-notes.md), it reads the key half at 16-17 GB/s where the by-columns form
+//   group of rows). Measured (docs/perf/journal.md), it reads the key half at 16-17 GB/s where the by-columns form
 //   reads a transposed one at 20-21 (AVX-512, 2 threads, roof 20-24): storing the key half transposed only,
 //   viewed back for torch's paths, would take that without the copy (open).
 // The ISA files are compiled with their own -m flags and, like the GEMM's, define nothing that other files could

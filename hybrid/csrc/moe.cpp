@@ -281,7 +281,7 @@ void MoELayer::schedule(const std::string& isa, int participants) {
   // that the layer ends on its cheapest tasks and the threads run out of work closer together. Under random routing
   // (T = 512: 8-27 tokens per expert, an expert with 17 or more paying a second AMX token tile) the order of the
   // ids left the threads waiting and idle at the end ~10 % of the layer on the H200 test machine's Xeon (V1); side by
-  // side in one call, 6.8 % by ids against 3.2 % longest first (V2; docs/perf-notes.md).
+  // side in one call, 6.8 % by ids against 3.2 % longest first (V2; docs/perf/journal.md).
   std::vector<int32_t> order(n_used);
   for (int32_t e = 0; e < n_used; ++e) order[e] = e;
   if (tunables().moe_longest_first)
@@ -352,7 +352,7 @@ void MoELayer::gate_up(int e, int64_t r0, int64_t r1, uint16_t* tile) {
   // In the AMX layout the token rows past M, up to the token tile's end, are written too (zeros): the down tiles
   // multiply them (their outputs are dropped). Left holding whatever the scratch held before, they made the down
   // products of every expert with a partly filled token tile ~2x slower on the H200 test machine's Xeon (random
-  // routing at T = 512: the down GEMMs' thread-seconds 6.7 -> 3.1 s over four layers; docs/perf-notes.md, U5-U6).
+  // routing at T = 512: the down GEMMs' thread-seconds 6.7 -> 3.1 s over four layers; docs/perf/journal.md, U5-U6).
   const int64_t rows = layout == XLayout::amx ? amx_rows_padded(M) : M;
   constexpr int64_t kPiece = 256;
   uint16_t v[kPiece];

@@ -1,7 +1,7 @@
 """Where the engine's own GPU work runs: decode (and the step's short prefill chunks) on a stream of the highest
 priority the device offers, so that when a stream-loading prefill runs beside it (policy.prefill.beside_decode),
 the GPU's block scheduler hands free SMs to decode's kernels before the prefill's queued blocks (a 32K prompt's
-attention kernels are large). On the H200 test machine (docs/perf-notes.md, F1 against G1), the median decode step
+attention kernels are large). On the H200 test machine (docs/perf/journal.md, F1 against G1), the median decode step
 while a 32K prompt streamed beside it went from 23.6x to 2.2x its step before without a cap, and from 1.18x to
 1.09x at a 20 GB/s cap; single steps of ~0.23 s remained either way (not the block scheduler's doing).
 

@@ -6,7 +6,7 @@ Why two calls per chunk: a query chunk of a causal attention sees every key befo
 causally (a square, plain causal mask). One call with a lower-right causal mask would say the same, but a mask takes
 the fastest kernel (cuDNN) out: on the H200, DeepSeek-V3's attention over 32K tokens took 74 ms as one cuDNN call,
 321 ms as 2048-query masked chunks (mem-efficient kernel), and 84 ms as 2048-query split chunks, with a
-priority stream's step held at most 8 ms instead of 65-74 (docs/perf-notes.md, J3).
+priority stream's step held at most 8 ms instead of 65-74 (docs/perf/journal.md, J3).
 
 Each part's output is exact attention over its keys; the merge weighs them by exp(lse - max) in FP32, so the result
 differs from one call over all keys by the rounding of the merged output to the activation dtype.
@@ -66,7 +66,7 @@ def _one_batch_stride(t: torch.Tensor) -> torch.Tensor:
     """A batch of one with its (unused) batch stride set to 1. cuDNN builds an execution plan per shape and strides,
     and a prompt's length enters the batch stride of every chunk's views: a prompt of a new length would build one
     per chunk (1.0-1.9 s at 32K tokens in 2048-token chunks on the H200), where with the stride fixed only its last,
-    shorter chunk's shapes are new (0-70 ms more than a second call; docs/perf-notes.md, K6-K7)."""
+    shorter chunk's shapes are new (0-70 ms more than a second call; docs/perf/journal.md, K6-K7)."""
     return t.as_strided(t.shape, (1,) + t.stride()[1:], t.storage_offset())
 
 

@@ -217,7 +217,7 @@ class CpuFp8Gemm:
     `per_head` (MLA's absorbed decode products over the kept BF16 kv_b halves) runs on the native batched-head
     kernel up to `head_max_rows` tokens (decode batches), torch's einsum from there (0: always torch, the path
     before the kernel, kept reachable for comparisons). The kernel was the faster at every count measured, 1 to
-    128 rows (DeepSeek-V3's dims, 2 threads, docs/perf-notes.md); the limit keeps larger batches on torch until
+    128 rows (DeepSeek-V3's dims, 2 threads, docs/perf/journal.md); the limit keeps larger batches on torch until
     measured.
 
     Decode attention reads the BF16 cache on the native attention kernel (`attend_from_cache`);
@@ -276,7 +276,7 @@ class CpuFp8Gemm:
     def per_head(self, x_BSHI: torch.Tensor, w: torch.Tensor, by_rows: bool) -> torch.Tensor:
         """As Fp8Gemm.per_head; BF16 x and w on the CPU with at most `head_max_rows` tokens go through the native
         batched-head kernel (FP32 accumulation, one rounding), threaded over heads: torch's batched GEMM with one
-        row per head reads the 2 × 16 MiB per layer at about half the memory roof (docs/perf-notes.md)."""
+        row per head reads the 2 × 16 MiB per layer at about half the memory roof (docs/perf/journal.md)."""
         B, S, H, I = x_BSHI.shape
         if not self._bf16_native(x_BSHI, w) or not 0 < B * S <= self.head_max_rows or w.stride(-1) != 1:
             return self.fallback.per_head(x_BSHI, w, by_rows)

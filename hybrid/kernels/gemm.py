@@ -20,7 +20,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
 
 
 # policy.cpu.gemm_tile_tokens' null, by the form the converted tiles take (hybrid.engine.build.gemm_tile_tokens).
-# AMD Zen 4, 2 cores, one MoE layer of 32 experts (docs/perf-notes.md): avx512_bf16's outer-product form against
+# AMD Zen 4, 2 cores, one MoE layer of 32 experts (docs/perf/journal.md): avx512_bf16's outer-product form against
 # streaming 1.11x at 16 tokens per expert, 1.14-1.25x at 24-48, a tie at 12, 0.8-0.9x at 8; the lane-form tiles
 # (variant avx512, and avx512_bf16 under batch invariance) behind streaming below 64.
 OUTER_MIN_TOKENS = 16

@@ -277,7 +277,7 @@ def chunk_prefill_attention(model: nn.Module, tokens: int) -> None:
 
 def lm_head_to_fp8(lin: Linear, block: tuple[int, int] = (128, 128)) -> None:
     """A BF16 Linear (lm_head) quantised once into block-scaled FP8 (amax / 448 per block, as the checkpoints'
-    FP8 weights), for the native FP8 GEMM: half the bytes per call. The logits change (docs/perf-notes.md)."""
+    FP8 weights), for the native FP8 GEMM: half the bytes per call. The logits change (docs/perf/journal.md)."""
     if lin.block is not None:
         return
     q, scale = fp8.quantize(lin.weight, block, rows=8 * block[0])

@@ -58,7 +58,7 @@ SWITCH_INTERVAL_S = 2e-4
 # goes in pieces of this size: 8 MB take ~0.15 ms at 55 GB/s.
 PACED_COPY_BYTES = 8 << 20
 # policy.prefill.slp_group_experts=null where a grouped GEMM applies. H200, 1 dense + 1 MoE layer, 32K tokens: 1
-# expert at a time 0.414 s, groups of 16 0.347 s, 32 0.352 s, 64 0.366 s (docs/perf-notes.md).
+# expert at a time 0.414 s, groups of 16 0.347 s, 32 0.352 s, 64 0.366 s (docs/perf/journal.md).
 AUTO_GROUP = 16
 
 

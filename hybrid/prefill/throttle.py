@@ -19,7 +19,7 @@ rests `(1 - duty) / duty` times as long as it worked (so work that overran the p
 loader starts no copy while it rests. Decode may take the prefill's cores for a step begun during a rest
 (`hold()`): the rest then lasts until `release()`, so the prefill never wakes on cores a step has taken. A rate
 cap alone paces the copies in pieces and wakes the loader more often; on the H200 test machine it did not lower
-decode's TPOT during the prefill (docs/perf-notes.md).
+decode's TPOT during the prefill (docs/perf/journal.md).
 """
 from __future__ import annotations
 
