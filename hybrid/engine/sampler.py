@@ -6,11 +6,19 @@ seeded request draws the same tokens whatever its batch mates, and a greedy one 
 from __future__ import annotations
 
 import random
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from hybrid.engine.requests import SamplingParams, TokenLogprobs
+
+
+@runtime_checkable
+class Prefetching(Protocol):
+    """A logits processor whose next call can be prepared ahead (a grammar's next mask): `prefetch(output ids)` is
+    called as soon as a token is chosen, so the work overlaps the next step's forward instead of delaying it."""
+
+    def prefetch(self, output_ids: Sequence[int]) -> None: ...
 
 
 MIN_TEMPERATURE = 1e-5  # below this, greedy (logits / a tinier temperature overflow to inf, probabilities to NaN)
@@ -74,8 +82,11 @@ class Sampler:
         return row_V
 
     def accept(self, token: int, logits_V: torch.Tensor) -> int:
-        """Records the chosen token (and its log-probabilities); returns it."""
+        """Records the chosen token (and its log-probabilities), starts the processors' next work; returns it."""
         self.output.append(token)
+        for process in self.p.logits_processors:
+            if isinstance(process, Prefetching):
+                process.prefetch(self.output)
         if self.p.logprobs is not None:
             logp_V = logits_V.float().log_softmax(-1)
             top = logp_V.topk(self.p.logprobs) if self.p.logprobs else None

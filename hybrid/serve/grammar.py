@@ -7,7 +7,7 @@ family's own markers for `tool_choice` "required" or a named function.
     SamplingParams(..., logits_processors=(c,))     # the sampler calls c(output_ids, logits_row) -> masked row
 
 The mask of the next step depends only on the tokens so far: `Constraint.prefetch(ids)` computes it on a worker
-thread as soon as a step's token is known (while the next step's forward runs); the processor then only applies it.
+thread as soon as a step's token is known (the sampler calls it: Prefetching) (while the next step's forward runs); the processor then only applies it.
 Without a prefetch it is computed in the processor (tens of µs on a CPU: docs/perf/grammar.md)."""
 from __future__ import annotations
 

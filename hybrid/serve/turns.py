@@ -70,8 +70,6 @@ async def events(service: Service, run: Running) -> AsyncIterator[tuple[list[Eve
     async for out in service.outputs(run.job):
         run.ids += out.new_token_ids
         run.text += out.text_delta
-        for c in run.params.logits_processors:
-            c.prefetch(run.ids)
         evs = stream.feed(out.text_delta) if out.text_delta else []
         if out.finished:
             failure = service.failure(out)
