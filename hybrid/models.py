@@ -11,11 +11,12 @@ import torch
 
 from hybrid.config.compose import RUNS_DIR
 from hybrid.config.schema import ModelConfig
+from hybrid.model.args import ModelArgs
 from hybrid.model.transformer import Transformer
 from hybrid.tokenizer import Tokenizer
 from hybrid.weights.checkpoint import Checkpoint, TensorSource
 from hybrid.weights.loader import load_model
-from hybrid.weights.presets import chat_family
+from hybrid.weights.presets import chat_family, hf_config
 from hybrid.weights.synthetic import ensure_checkpoint, in_memory_checkpoint
 from hybrid.weights.tokenizer_files import write_byte_tokenizer
 
@@ -35,6 +36,13 @@ def open_source(cfg: ModelConfig, progress: bool = False) -> tuple[TensorSource,
         return source, tok_dir
     ck = Checkpoint(ensure_checkpoint(RUNS_DIR / "models", cfg.name, spec, cfg.seed))
     return ck, ck.path
+
+
+def args_of(cfg: ModelConfig) -> ModelArgs:
+    """The model's architecture from its config.json (or the generated checkpoint's), without loading a weight."""
+    if cfg.path is not None:
+        return ModelArgs.from_file(Path(cfg.path) / "config.json")
+    return ModelArgs.from_hf_config(hf_config(dict(cfg.synthetic)), "synthetic config")
 
 
 def load(cfg: ModelConfig, progress: bool = True) -> tuple[Transformer, Tokenizer]:

@@ -14,12 +14,11 @@ from hybrid.bench.records import save, table
 from hybrid.config.compose import RUNS_DIR, settings_of
 from hybrid.errors import ConfigError
 from hybrid.config.schema import HwConfig, HybridConfig, Mode, OutputFormat
-from hybrid.engine.build import build, configure_cpu, cpu_threads
+from hybrid.engine.build import build, configure_cpu, plan_for
 from hybrid.engine.requests import SamplingParams
 from hybrid.hw.check import resolve
 from hybrid.hw.detect import detect
 from hybrid.kernels import thread_pool
-from hybrid.kernels.dispatch import selected
 
 
 def run(cfg: DictConfig) -> dict:
@@ -29,22 +28,23 @@ def run(cfg: DictConfig) -> dict:
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
     params = generate_params(s) if s.mode == Mode.generate else None  # refused before anything is built
-    threads = cpu_threads(s.policy, hw)
-    configure_cpu(threads, s.policy)  # benches without an engine too
+    plan = plan_for(s, hw)  # the policy's errors, before anything is built
+    if s.mode == Mode.bench:
+        configure_cpu(plan.cpu)  # benchmarks of the kernels alone build no engine to set them
     if s.mode == Mode.serve:
         return serve(s, hw)  # runs until SIGTERM/Ctrl-C; a server's life is not one tracked run
     if s.mode == Mode.bench:
-        report = bench(replace(s, hw=hw), hw.name, machine)  # the resolved profile: the bench builds the engine
+        report = bench(replace(s, hw=hw), hw.name, machine, plan.cpu.kernel)  # the bench builds the engine
     else:
         report = generate(s, hw, params)
-    tracking.log_run(s, cfg, report, hw, threads)  # MLflow, after the measured work (tracking.enabled)
+    tracking.log_run(s, cfg, report, hw, plan)  # MLflow, after the measured work (tracking.enabled)
     return report
 
 
-def bench(s: HybridConfig, hw_name: str, machine) -> dict:
+def bench(s: HybridConfig, hw_name: str, machine, kernel: str) -> dict:
     records = run_bench(s)
     context = {"hw": hw_name, "machine": machine.summary(), "threads": thread_pool.threads(),
-               "kernel": selected(s.policy.cpu.kernel), **getattr(records, "context", {})}
+               "kernel": kernel, **getattr(records, "context", {})}
     path = save(records, RUNS_DIR / "bench", s.bench.name, context)
     png = plot_bench(s.bench.name, records, path)
     report = {"bench": s.bench.name, **context, "records": [r.as_json() for r in records], "path": str(path),

@@ -3,7 +3,7 @@
 Where: `tracking.uri` ("" = sqlite under runs/: runs/mlflow.db, artifacts under runs/mlartifacts/, or a server such
 as http://host:5000); one experiment per model (`hybrid-<model>`, created with an explicit artifact location).
 What: params = the resolved hw, model and policy, flattened (`policy.cpu.threads`, `hw.cpu.cores`, ...), plus the
-threads and kernel the run used; metrics = the SLO report card (TTFT, TPOT, prefill and decode tokens/s) or the
+plan they resolved to (`plan.cpu.threads`, `plan.cpu.kernel`, ...); metrics = the SLO report card (TTFT, TPOT, prefill and decode tokens/s) or the
 bench's records, with achieved ÷ bound where a record has a bound; artifacts = the resolved config (config.yaml),
 the report (report.json) and plots (plots/*.png).
 
@@ -106,15 +106,10 @@ def flatten(obj: Any, prefix: str = "") -> dict[str, str]:
     return {prefix.rstrip("."): str(obj)[:6000]}
 
 
-def params_of(s, hw, threads: int) -> dict[str, str]:
+def params_of(s, hw, plan) -> dict[str, str]:
+    """The run's params: the configs as given, and the plan they resolved to (`plan.*`)."""
     params = {**flatten(hw, "hw."), **flatten(s.model, "model."), **flatten(s.policy, "policy."),
-              "mode": s.mode.value, "run.threads": str(threads)}
-    try:
-        from hybrid.kernels.dispatch import selected
-
-        params["run.kernel"] = selected(s.policy.cpu.kernel)
-    except Exception:  # noqa: BLE001 - informational only
-        pass
+              "mode": s.mode.value, **{f"plan.{k}": str(v) for k, v in plan.params().items()}}
     if s.mode.value == "bench":
         params.update({k: v for k, v in flatten(s.bench, "bench.").items()})
     return params
@@ -148,19 +143,19 @@ def _safe_key(key: str) -> str:
 
 # ------------------------------------------------------------------------------------------------- logging
 
-def log_run(s, cfg, report: Mapping[str, Any], hw, threads: int) -> Optional[str]:
+def log_run(s, cfg, report: Mapping[str, Any], hw, plan) -> Optional[str]:
     """Record one run (s: HybridConfig, cfg: the composed DictConfig, hw: the resolved HwConfig); returns the run id.
     With HYBRID_MLFLOW_RUN_ID set (a tuner trial), logs into that run and leaves ending it to its owner."""
     if not s.tracking.enabled:
         return None
     try:
-        return _log_run(s, cfg, report, hw, threads)
+        return _log_run(s, cfg, report, hw, plan)
     except Exception as e:  # noqa: BLE001 - tracking never fails a run
         print(f"warning: tracking: {type(e).__name__}: {e}", file=sys.stderr)
         return None
 
 
-def _log_run(s, cfg, report, hw, threads) -> str:
+def _log_run(s, cfg, report, hw, plan) -> str:
     import time
 
     from mlflow.entities import Metric, Param, RunTag
@@ -178,7 +173,7 @@ def _log_run(s, cfg, report, hw, threads) -> str:
             **({"bench": s.bench.name} if s.mode.value == "bench" else {})}).info.run_id
     try:
         now = int(time.time() * 1000)
-        params = [Param(_safe_key(k), v) for k, v in params_of(s, hw, threads).items()]
+        params = [Param(_safe_key(k), v) for k, v in params_of(s, hw, plan).items()]
         params += [Param(_safe_key(f"plan.{k}"), str(v)[:6000]) for k, v in report.get("plan", {}).items()]
         metrics = [Metric(_safe_key(k), v, now, 0) for k, v in metrics_of(report).items()]
         for i in range(0, max(len(params), len(metrics)), 100):

@@ -58,7 +58,7 @@ class Knob:
     log: bool = False
     choices: List[Any] = field(default_factory=list)  # categorical; null is a choice too (the knob's auto)
     # A change of this knob needs the model loaded and placed again (the trial worker restarts); false: the worker
-    # rebuilds the engine around the placed model. null: as the engine says (hybrid/engine/build.py REBUILDABLE).
+    # rebuilds the engine around the placed model. null: as the plan says (hybrid/plan/plan.py).
     reload: Optional[bool] = None
 
 

@@ -22,6 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from hybrid.config.schema import PolicyConfig
+from hybrid.plan.resolve import check
 from tuner.config import flat_params
 
 OVERRIDE = "override /policy@_global_.policy"
@@ -30,11 +31,14 @@ INDENT = "  "
 
 def checked(base: Any, params: dict[str, Any]) -> Any:
     """base (the PolicyConfig, or one of its groups) with params (knob path -> value, or nested) applied, through
-    the schema: types (OmegaConf) and the __post_init__ checks."""
+    the schema (types, the __post_init__ checks) and, for a whole policy, the knobs' checks against each other."""
     merged = OmegaConf.merge(OmegaConf.structured(type(base)), asdict(base))
     for path, value in flat_params(params).items():
         OmegaConf.update(merged, path, value, merge=False)
-    return OmegaConf.to_object(merged)
+    out = OmegaConf.to_object(merged)
+    if isinstance(out, PolicyConfig):
+        check(out)
+    return out
 
 
 def write(conf_dir: Path, hw: str, policy: PolicyConfig, header: list[str]) -> Path:

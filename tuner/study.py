@@ -31,8 +31,8 @@ import yaml
 from omegaconf import DictConfig
 
 from hybrid import tracking
+from hybrid.plan.plan import rebuildable
 from hybrid.config.compose import CONF_DIR, RUNS_DIR, settings_of
-from hybrid.config.schema import slp_cutoff
 from hybrid.errors import ConfigError
 from tuner import plots, policy as policy_file, space as sp, trial as trial_run
 from tuner.config import Cutoff, Sampler, TuneConfig, flat_params
@@ -100,7 +100,6 @@ class Tuner:
         if cfg.hw.name == "auto":
             raise ConfigError("the tuner tunes the policy of a hardware profile: give +hw=NAME (conf/hw/), the "
                               "profile of this machine, e.g. +hw=cpu_only")
-        from hybrid.engine.build import REBUILDABLE
         from hybrid.hw.check import resolve
         from hybrid.hw.detect import detect
         from hybrid.kernels.dispatch import available
@@ -109,7 +108,7 @@ class Tuner:
         hw, _ = resolve(cfg.hw, cfg.policy, self.machine)  # stops here when this machine is not the profile's
         self.gpu = bool(hw.gpus)  # which space: the profile's kind (as adapted to this machine)
         full = sp.resolve(cfg, self.gpu, self.machine.physical_cores, available())
-        self.reload = sp.reload_knobs(cfg, self.gpu, REBUILDABLE)
+        self.reload = sp.reload_knobs(cfg, self.gpu, rebuildable())
         self.measure_cutoff = (self.gpu and t.cutoff == Cutoff.measure and t.goal.measure == "workload"
                                and CUTOFF in full)
         self.space = {k: v for k, v in full.items() if not (self.measure_cutoff and k == CUTOFF)}
@@ -358,8 +357,8 @@ class Tuner:
                 cross = self.worker.call(self.key(warm), {"op": "crossover", "policy": warm, "lengths": lengths},
                                          t.trial_timeout_s, self.log_dir / "crossover.log")
             except RuntimeError as e:
-                print(f"warning: cutoff not measured ({e}): policy.{CUTOFF} stays "
-                      f"{slp_cutoff(self.cfg.policy, self.cfg.hw)}", file=sys.stderr, flush=True)
+                print(f"warning: cutoff not measured ({e}): policy.{CUTOFF} stays as configured "
+                      f"({self.cfg.policy.prefill.slp_cutoff_tokens})", file=sys.stderr, flush=True)
                 return
             cross = {**cross, "lengths": lengths, "policy": warm, "seconds": round(time.monotonic() - t0, 2)}
             if "crossover" not in fresh_user_attrs(study):

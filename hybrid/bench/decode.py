@@ -33,7 +33,7 @@ import torch
 from hybrid.bench import bounds
 from hybrid.bench.gpu_profile import gpu_times
 from hybrid.bench.records import Record, Records
-from hybrid.engine.build import build, graphs_apply
+from hybrid.engine.build import build
 from hybrid.engine.profile import HOST_PARTS, StepProfile
 from hybrid.errors import ConfigError
 from hybrid.kernels.membw import calibrate, read_roof
@@ -140,7 +140,8 @@ def run(settings) -> list[Record]:
     streams, _ = calibrate(cfg.roof_gb)
     roof = read_roof(cfg.roof_gb, 5, streams)
     print(f"decode on {engine.device}: {n_moe} MoE layers, roof {roof:.1f} GB/s", file=sys.stderr)
-    modes = ["eager"] + (list(cfg.graph_modes) if graphs_apply(s, engine.device) else [])
+    graphable = engine.device.type == "cuda" and engine.plan.moe_backend == "native" and not engine.plan.deferred_experts
+    modes = ["eager"] + (list(cfg.graph_modes) if graphable else [])
     graphs = {m: engine.decoder(m) for m in modes[1:]}
     records = [Record("read_roof", roof, "GB/s", extra={"streams": streams})]
     for ctx in cfg.contexts:

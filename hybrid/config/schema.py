@@ -75,13 +75,6 @@ class HwConfig:
 DEFAULT_SLP_CUTOFF = 128  # tokens: policy.prefill.slp_cutoff_tokens where neither the policy nor the profile says
 
 
-def slp_cutoff(p: "PolicyConfig", hw: HwConfig) -> int:
-    """policy.prefill.slp_cutoff_tokens, else the crossover measured for the profile, else DEFAULT_SLP_CUTOFF."""
-    if p.prefill.slp_cutoff_tokens is not None:
-        return p.prefill.slp_cutoff_tokens
-    return hw.slp_crossover_tokens if hw.slp_crossover_tokens is not None else DEFAULT_SLP_CUTOFF
-
-
 @dataclass
 class ModelConfig:
     name: str = "tiny"
@@ -231,8 +224,8 @@ class GpuPolicy:
 
 @dataclass
 class PolicyConfig:
-    """The tunable knobs (conf/policy/), grouped by what reads them; null = decided at build (hybrid/engine/build.py
-    resolves each into the Plan)."""
+    """The tunable knobs (conf/policy/), grouped by what reads them; null = decided by hybrid/plan/resolve.py, which
+    also checks the knobs against each other and the machine, into the Plan."""
     # When the machine lacks what the hw profile needs: false = stop and say what is missing,
     # true = warn, then adapt (GPU work on the CPU, fewer threads, ...).
     adapt_to_hardware: bool = False
@@ -241,19 +234,6 @@ class PolicyConfig:
     prefill: PrefillPolicy = field(default_factory=PrefillPolicy)
     decode: DecodePolicy = field(default_factory=DecodePolicy)
     gpu: GpuPolicy = field(default_factory=GpuPolicy)
-
-    def __post_init__(self) -> None:
-        if self.decode.batch_invariant and (self.cpu.amx_min_tokens or 1) > 1:
-            raise ValueError(
-                f"policy.cpu.amx_min_tokens={self.cpu.amx_min_tokens} contradicts policy.decode.batch_invariant=true: "
-                "on an AMX CPU an expert with fewer tokens would run on the AVX-512 kernel, which rounds differently "
-                "from the tiles, so a token's numbers would depend on how many batch mates share its experts; leave "
-                "it null (1 under batch_invariant) or set 1")
-        if self.decode.batch_cap > self.kv.max_batch:
-            raise ValueError(
-                f"policy.decode.batch_cap ({self.decode.batch_cap}) exceeds policy.kv.max_batch "
-                f"({self.kv.max_batch}), the number of KV-cache slots"
-            )
 
 
 # The flat policy keys of before 2026-12-01 -> their paths since (named when a command line still gives an old one)

@@ -32,33 +32,6 @@ def decode_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
     return torch.cuda.Stream(device, priority=HIGHEST)
 
 
-AUTO_SMS_LEFT = 32  # policy.prefill.beside_sms null, where green contexts exist (measured on the H200 test machine)
-
-
-def prefill_sms(device: torch.device, leave: Optional[int]) -> Optional[int]:
-    """The SMs a prompt prefilled beside decode computes on when its kernels leave `leave` SMs to decode
-    (policy.prefill.beside_sms): None when they take every SM (leave 0, or no CUDA device)."""
-    if device.type != "cuda" or leave == 0:
-        return None
-    return sms_left(torch.cuda.get_device_properties(device).multi_processor_count, leave, green_contexts())
-
-
-def sms_left(total: int, leave: Optional[int], supported: bool) -> Optional[int]:
-    """The prefill's SMs of `total` with `leave` left to decode; leave None (auto): AUTO_SMS_LEFT, at most a
-    quarter of the GPU, where green contexts exist, else every SM (None)."""
-    if leave is None:
-        if not supported:
-            return None
-        leave = min(AUTO_SMS_LEFT, total // 4)
-    if not supported:
-        raise ConfigError(f"policy.prefill.beside_sms={leave} runs the prefill in a CUDA green context, which this "
-                          f"torch ({torch.__version__}) does not provide (torch 2.11+ built with CUDA 12.4+); set it "
-                          "to 0")
-    if leave >= total:
-        raise ConfigError(f"policy.prefill.beside_sms={leave} leaves the prefill no SM: this GPU has {total}")
-    return total - leave
-
-
 def green_contexts() -> bool:
     try:
         from torch.cuda import green_contexts as gc

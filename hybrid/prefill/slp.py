@@ -57,9 +57,6 @@ SWITCH_INTERVAL_S = 2e-4
 # A limited copy (a prefill beside decode while requests decode: policy.prefill.stream_cap_gbps, stream_queue_mb)
 # goes in pieces of this size: 8 MB take ~0.15 ms at 55 GB/s.
 PACED_COPY_BYTES = 8 << 20
-# policy.prefill.slp_group_experts=null where a grouped GEMM applies. H200, 1 dense + 1 MoE layer, 32K tokens: 1
-# expert at a time 0.414 s, groups of 16 0.347 s, 32 0.352 s, 64 0.366 s (docs/perf/journal.md).
-AUTO_GROUP = 16
 
 
 class PrefillCancelled(RuntimeError):
@@ -415,14 +412,6 @@ def grouped_gemm_missing(device: torch.device, dtype: torch.dtype) -> Optional[s
         if dtype != torch.bfloat16 or major != 9:
             return f"{dtype} on compute capability {major}.x: no native grouped GEMM used here (BF16 on 9.x is)"
     return None
-
-
-def group_size(setting: Optional[int], device: torch.device, dtype: torch.dtype) -> int:
-    """policy.prefill.slp_group_experts as a number: None (auto) is AUTO_GROUP where a grouped GEMM applies, else 1
-    (quietly; a number asked for where none applies warns at the first prefill)."""
-    if setting is not None:
-        return setting
-    return AUTO_GROUP if grouped_gemm_missing(device, dtype) is None else 1
 
 
 class StreamedExperts(nn.Module):

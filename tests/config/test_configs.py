@@ -84,7 +84,12 @@ def test_policy_null_is_auto():
 
 def test_slp_cutoff_defaults_to_the_profiles_crossover():
     """policy.prefill.slp_cutoff_tokens null: the crossover measured for the hw profile, else 128; a value wins."""
-    from hybrid.config.schema import DEFAULT_SLP_CUTOFF, slp_cutoff
+    from hybrid.config.schema import DEFAULT_SLP_CUTOFF
+    from hybrid.engine.probe import probe
+    from hybrid.plan.resolve import resolve
+
+    def slp_cutoff(p, hw):
+        return resolve(p, hw, None, probe(hw)).prefill.slp_cutoff_tokens
 
     s = _settings(["+hw=h200_xeon16"])
     assert s.policy.prefill.slp_cutoff_tokens is None and s.hw.slp_crossover_tokens == 512
@@ -229,8 +234,6 @@ def test_wrong_type(override, expect):
     (["policy.prefill.stream_duty=0"], "policy.prefill.stream_duty"),  # a share of the time in (0, 1]
     (["policy.prefill.stream_duty=1.5"], "policy.prefill.stream_duty"),
     (["mode=bench", "bench=concurrency", "bench.stream_duties=[0.5,0]"], "bench.stream_duties"),
-    (["policy.decode.batch_cap=99"], "policy.decode.batch_cap"),  # > kv.max_batch (8)
-    (["policy.kv.max_batch=4"], "policy.kv.max_batch"),  # < decode.batch_cap (6)
     (["policy.kv.max_batch=0"], "policy.kv.max_batch"),
     (["policy.kv.max_context=0"], "policy.kv.max_context"),
     (["policy.cpu.kernel=avx9"], "policy.cpu.kernel"),
@@ -238,7 +241,6 @@ def test_wrong_type(override, expect):
     (["policy.cpu.threads=0"], "policy.cpu.threads"),  # null is all physical cores
     (["policy.cpu.moe_backend=numpy"], "policy.cpu.moe_backend"),
     (["policy.cpu.amx_min_tokens=0"], "policy.cpu.amx_min_tokens"),  # null: 4, or 1 under decode.batch_invariant
-    (["policy.cpu.amx_min_tokens=4", "policy.decode.batch_invariant=true"], "policy.cpu.amx_min_tokens=4 contradicts"),
     (["policy.decode.cuda_graphs=always"], "policy.decode.cuda_graphs"),
     (["policy.gpu.memory_budget_gb=0"], "policy.gpu.memory_budget_gb"),  # null is all free memory
     (["policy.gpu.weights=int4"], "policy.gpu.weights"),
@@ -255,6 +257,19 @@ def test_invalid_value(overrides, knob):
     # OmegaConf passes the ValueError through as raised: not wrapped in one of its own errors.
     assert not isinstance(e.value, OmegaConfBaseException), repr(e.value)
     assert knob in str(e.value), f"{overrides}: {e.value}"
+
+
+@pytest.mark.parametrize("overrides, knob", [
+    (["policy.decode.batch_cap=99"], "policy.decode.batch_cap"),  # > kv.max_batch (8)
+    (["policy.kv.max_batch=4"], "policy.kv.max_batch"),  # < decode.batch_cap (6)
+    (["policy.cpu.amx_min_tokens=4", "policy.decode.batch_invariant=true"], "policy.cpu.amx_min_tokens=4 contradicts"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_contradicting_knobs(overrides, knob):
+    """Valid alone, refused together: by the plan's check (hybrid/plan/resolve.py), before anything is built."""
+    from hybrid.plan.resolve import check
+
+    with pytest.raises(ConfigError, match=knob):
+        check(to_settings(compose(overrides)).policy)
 
 
 def test_hw_without_plus():

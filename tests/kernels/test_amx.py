@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from hybrid.config.schema import CpuPolicy, DecodePolicy, PolicyConfig
-from hybrid.engine.build import amx_min_tokens
+from hybrid.errors import ConfigError
 from hybrid.kernels import dispatch
 from hybrid.kernels.gemm import AMX_MIN_TOKENS, gemm, set_amx_min_tokens, set_amx_overlap, set_amx_prefetch
 from hybrid.kernels.moe import CpuMoE
+from hybrid.plan.resolve import amx_min_tokens, check as check_policy
 from tests.kernels.common import FP8, VALID_CODES, bf16, dense64, rel_errors, rng_for
 from tests.kernels.test_gemm import MAX_BOUND, P95_BOUND, run_and_check, same_on_1_and_2_threads, weights
 from tests.kernels.test_moe import DIMS, check, experts, routing, routing_with_hot
@@ -264,8 +265,8 @@ def test_amx_min_tokens_resolved():
     assert amx_min_tokens(PolicyConfig(decode=invariant)) == 1
     assert amx_min_tokens(PolicyConfig(cpu=CpuPolicy(amx_min_tokens=2))) == 2
     assert amx_min_tokens(PolicyConfig(cpu=CpuPolicy(amx_min_tokens=1), decode=invariant)) == 1
-    with pytest.raises(ValueError, match=r"policy.cpu.amx_min_tokens=4 contradicts policy.decode.batch_invariant"):
-        PolicyConfig(cpu=CpuPolicy(amx_min_tokens=4), decode=invariant)
+    with pytest.raises(ConfigError, match=r"policy.cpu.amx_min_tokens=4 contradicts policy.decode.batch_invariant"):
+        check_policy(PolicyConfig(cpu=CpuPolicy(amx_min_tokens=4), decode=invariant))
 
 
 def test_bench_times_amx_beside_avx512():

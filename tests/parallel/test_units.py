@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from hybrid.config.schema import PrefillPolicy
-from hybrid.engine.plan import resolve_prefill_gpus
 from hybrid.engine.requests import Request, SamplingParams, State
 from hybrid.engine.scheduler import Scheduler, prefill_gpus
 from hybrid.errors import ConfigError
@@ -85,11 +84,7 @@ def test_policy_prefill_gpus_and_ep():
         PrefillPolicy(gpus=3)
     with pytest.raises(ValueError, match=r"policy\.prefill\.ep must be one of smallep, ep"):
         PrefillPolicy(ep="alltoall")
-    assert resolve_prefill_gpus(None, 2, "cuda") == 2 and resolve_prefill_gpus(None, 1, "cuda") == 1
-    assert resolve_prefill_gpus(None, 4, "cuda") == 2 and resolve_prefill_gpus(2, 2, "cpu") == 1
-    assert resolve_prefill_gpus(1, 2, "cuda") == 1
-    with pytest.raises(ConfigError, match=r"policy\.prefill\.gpus=2 but the hw profile has 1"):
-        resolve_prefill_gpus(2, 1, "cuda")
+    # resolved with the machine: tests/plan/test_resolve.py
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks the message given without two GPUs")

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from hybrid.config.compose import to_settings
 from hybrid.config.schema import PolicyConfig, register as register_engine
-from hybrid.engine.build import REBUILDABLE
+from hybrid.plan.plan import rebuildable
 from hybrid.errors import ConfigError
 from tuner import policy, space as sp, trial
 from tuner.config import TuneConfig, flat_params, register as register_tuner
@@ -112,7 +112,7 @@ def test_space_knobs_join_by_path(tune_cfg):
                    "+tuner.spaces.cpu_only.kv.max_batch={type: int, low: 6, high: 8}")
     space = sp.resolve(cfg, False, 2, ["avx2"])
     assert space["prefill.ring_len"]["choices"] == [16, 64] and space["kv.max_batch"]["high"] == 8
-    assert sp.reload_knobs(cfg, False, REBUILDABLE) == {"cpu.kernel", "cpu.moe_backend", "kv.max_batch"}, \
+    assert sp.reload_knobs(cfg, False, rebuildable()) == {"cpu.kernel", "cpu.moe_backend", "kv.max_batch"}, \
         "untagged: as the engine says"
 
 
@@ -232,13 +232,13 @@ def test_a_gpu_profile_gets_the_gpu_space(tune_cfg):
                           "prefill.beside_sms", "decode.batch_cap", "decode.cuda_graphs", "decode.dual_batch",
                           "gpu.experts_per_layer", "cpu.threads"}
     assert space["cpu.threads"]["high"] == 16 and space["decode.batch_cap"]["high"] <= gpu.policy.kv.max_batch
-    assert sp.reload_knobs(gpu, True, REBUILDABLE) == set(), "a GPU trial never reloads the model"
+    assert sp.reload_knobs(gpu, True, rebuildable()) == set(), "a GPU trial never reloads the model"
     assert set(sp.resolve(cpu, bool(cpu.hw.gpus), 2, ["avx2"])) == {"cpu.threads", "cpu.gemm_tile_tokens",
                                                                      "cpu.moe_backend", "cpu.kernel"}
-    assert sp.reload_knobs(cpu, False, REBUILDABLE) == {"cpu.kernel", "cpu.moe_backend"}
+    assert sp.reload_knobs(cpu, False, rebuildable()) == {"cpu.kernel", "cpu.moe_backend"}
     bad = tune_cfg("tuner.spaces.cpu_only.cpu.kernel.reload=false")
     with pytest.raises(Exception, match="cannot change it without placing the model again"):
-        sp.reload_knobs(bad, False, REBUILDABLE)
+        sp.reload_knobs(bad, False, rebuildable())
     with pytest.raises(Exception, match="one space per kind"):
         tune_cfg("+tuner.spaces.tpu={}")
 

@@ -1,0 +1,151 @@
+"""resolve: the one place a `null` knob is decided and knobs are checked against each other. Every hardware profile
+with the default policy resolves to a fully concrete plan, on a machine with its GPUs and on one without."""
+from __future__ import annotations
+
+from dataclasses import fields, is_dataclass, replace
+
+import pytest
+from omegaconf import OmegaConf
+
+from hybrid.config.compose import CONF_DIR, compose, to_settings
+from hybrid.config.schema import GpuSpec, HwConfig, PolicyConfig
+from hybrid.errors import ConfigError
+from hybrid.model.args import ModelArgs
+from hybrid.weights.presets import DEEPSEEK_V3
+from hybrid.plan.resolve import AUTO_GROUP, AUTO_SMS_LEFT, Probe, resolve, resolve_memory
+
+PROFILES = sorted(p.stem for p in (CONF_DIR / "hw").glob("*.yaml"))
+CPU = Probe(physical_cores=8, cpu_missing={"amx": "amx_tile", "avx512_bf16": None, "avx512": None, "avx2": None,
+                                           "generic": None}, kernel_env=None, cuda=False)
+GPU = replace(CPU, cuda=True, gpu_count=2, sms=132, green_contexts=True, stream_waits=True, grouped_gemm=True)
+ARGS = ModelArgs.from_hf_config(DEEPSEEK_V3)  # DeepSeek-V3's shape
+
+
+def policy(**knobs) -> PolicyConfig:
+    node = OmegaConf.structured(PolicyConfig)
+    for path, value in knobs.items():
+        OmegaConf.update(node, path.replace("__", "."), value, merge=False)
+    return OmegaConf.to_object(node)
+
+
+def nulls(obj, prefix: str = "") -> list[str]:
+    out = []
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        out += nulls(v, f"{prefix}{f.name}.") if is_dataclass(v) else [prefix + f.name] if v is None else []
+    return out
+
+
+@pytest.mark.parametrize("probe", [CPU, GPU], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("hw", PROFILES)
+def test_every_profile_resolves_to_a_concrete_plan(hw, probe):
+    s = to_settings(compose([f"+hw={hw}"]))
+    plan = resolve(s.policy, s.hw, ARGS, probe)
+    plan = resolve_memory(plan, ARGS, budget=60e9, weights=12e9, kv_cache=4e9, hot_experts=0, slot=44 << 20)
+    assert nulls(plan) == [], hw
+    assert plan.cuda == bool(s.hw.gpus and probe.cuda)
+    assert plan.cpu.threads == (s.hw.cpu.cores or probe.physical_cores)
+    assert plan.prefill.slp == plan.cuda and (plan.prefill.slp_chunk_tokens > 0) == plan.prefill.slp
+    assert plan.decode.cuda_graphs == ("hostfn" if plan.cuda else "off")
+    assert plan.decode.dual_batch == plan.decode.dual_stagger == plan.cuda
+    assert plan.prefill.gpus == (min(2, len(s.hw.gpus)) if plan.cuda else 1)
+    assert "policy" not in plan.describe() and plan.params()["ledger.free"] == plan.ledger.free
+
+
+def test_the_cpu_kernel_is_the_best_this_cpu_runs_unless_asked():
+    assert resolve(policy(), _hw(), ARGS, CPU).cpu.kernel == "avx512_bf16"
+    assert resolve(policy(cpu__kernel="avx2"), _hw(), ARGS, CPU).cpu.kernel == "avx2"
+    assert resolve(policy(), _hw(), ARGS, replace(CPU, kernel_env="generic")).cpu.kernel == "generic"
+    with pytest.raises(ConfigError, match=r"policy.cpu.kernel=amx: this CPU lacks amx_tile"):
+        resolve(policy(cpu__kernel="amx"), _hw(), ARGS, CPU)
+    with pytest.raises(ConfigError, match=r"HYBRID_CPU_KERNEL='sse'"):
+        resolve(policy(), _hw(), ARGS, replace(CPU, kernel_env="sse"))
+
+
+def test_tile_and_amx_thresholds_follow_the_kernel_and_batch_invariance():
+    plan = resolve(policy(), _hw(), ARGS, CPU)
+    assert (plan.cpu.gemm_tile_tokens, plan.cpu.amx_min_tokens) == (16, 4)
+    inv = resolve(policy(decode__batch_invariant=True), _hw(), ARGS, CPU)
+    assert (inv.cpu.gemm_tile_tokens, inv.cpu.amx_min_tokens, inv.cpu.batch_invariant) == (64, 1, True)
+    assert resolve(policy(cpu__kernel="avx2"), _hw(), ARGS, CPU).cpu.gemm_tile_tokens == 64
+    with pytest.raises(ConfigError, match=r"amx_min_tokens=4 contradicts policy.decode.batch_invariant"):
+        resolve(policy(decode__batch_invariant=True, cpu__amx_min_tokens=4), _hw(), ARGS, CPU)
+
+
+@pytest.mark.parametrize("knobs, match", [
+    ({"decode.batch_cap": 9}, r"batch_cap \(9\) exceeds policy.kv.max_batch \(8\)"),
+    ({"cpu.deferred_experts": 2, "cpu.moe_backend": "torch"}, r"deferred_experts needs policy.cpu.moe_backend"),
+    ({"gpu.experts_per_layer": 2}, r"experts_per_layer > 0 keeps hot experts on the GPU"),
+])
+def test_contradicting_knobs_are_named(knobs, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve(policy(**{k.replace(".", "__"): v for k, v in knobs.items()}), _hw(), ARGS, CPU)
+
+
+def test_prefill_gpus_and_the_peer():
+    two = _hw(gpus=2)
+    assert resolve(policy(), two, ARGS, GPU).prefill.gpus == 2
+    one_seen = resolve(policy(), two, ARGS, replace(GPU, gpu_count=1))
+    assert one_seen.prefill.gpus == 1 and "torch sees 1" in one_seen.notes[0]
+    with pytest.raises(ConfigError, match=r"gpus=2 needs a peer process on a second GPU"):
+        resolve(policy(prefill__gpus=2), two, ARGS, replace(GPU, gpu_count=1))
+    with pytest.raises(ConfigError, match=r"gpus=2 but the hw profile has 1"):
+        resolve(policy(prefill__gpus=2), _hw(gpus=1), ARGS, GPU)
+    assert resolve(policy(), _hw(), ARGS, replace(CPU, cpu_peer=True)).prefill.gpus == 2
+
+
+def test_sms_left_to_decode_beside_a_prefill():
+    beside = policy(prefill__beside_decode=True)
+    plan = resolve(beside, _hw(gpus=1), ARGS, GPU)
+    assert plan.prefill.beside_sms == AUTO_SMS_LEFT and plan.prefill_sms == 132 - AUTO_SMS_LEFT
+    no_green = resolve(beside, _hw(gpus=1), ARGS, replace(GPU, green_contexts=False))
+    assert no_green.prefill.beside_sms == 0 and no_green.prefill_sms is None
+    with pytest.raises(ConfigError, match="green context"):
+        resolve(policy(prefill__beside_decode=True, prefill__beside_sms=8), _hw(gpus=1), ARGS,
+                replace(GPU, green_contexts=False))
+    with pytest.raises(ConfigError, match="leaves the prefill no SM"):
+        resolve(policy(prefill__beside_decode=True, prefill__beside_sms=132), _hw(gpus=1), ARGS, GPU)
+
+
+def test_graphs_and_their_join():
+    gpu = _hw(gpus=1)
+    assert resolve(policy(), gpu, ARGS, replace(GPU, stream_waits=False)).decode.cpu_join == "host"
+    eager = resolve(policy(cpu__moe_backend="torch"), gpu, ARGS, GPU)
+    assert eager.decode.cuda_graphs == "off" and not eager.decode.dual_batch and "eagerly" in eager.notes[0]
+    seg = resolve(policy(decode__cuda_graphs="segments"), gpu, ARGS, GPU).decode
+    assert (seg.dual_batch, seg.dual_stagger, seg.cpu_join) == (False, False, "host")
+    with pytest.raises(ConfigError, match="cpu_join=signal needs CUDA stream memory operations"):
+        resolve(policy(decode__cpu_join="signal"), gpu, ARGS, replace(GPU, stream_waits=False))
+
+
+def test_experts_go_in_groups_where_a_grouped_gemm_applies():
+    gpu = _hw(gpus=1)
+    assert resolve(policy(), gpu, ARGS, GPU).prefill.slp_group_experts == AUTO_GROUP > 1
+    assert resolve(policy(), gpu, ARGS, replace(GPU, grouped_gemm=False)).prefill.slp_group_experts == 1
+    asked = policy(prefill__slp_group_experts=5)  # kept, warned of at the first prefill where none applies
+    assert resolve(asked, gpu, ARGS, replace(GPU, grouped_gemm=False)).prefill.slp_group_experts == 5
+    assert resolve(policy(), _hw(), ARGS, CPU).prefill.slp_group_experts == 1  # nothing streams on the CPU
+
+
+def test_memory_decides_the_chunk_unless_set():
+    gpu = _hw(gpus=1)
+    plan = resolve_memory(resolve(policy(), gpu, ARGS, GPU), ARGS, 60e9, 12e9, 4e9, 0, 44 << 20)
+    assert plan.ledger.group_buffer > 0 and plan.ledger.free == 60e9 - 4e9 - plan.ledger.group_buffer
+    set_ = resolve_memory(resolve(policy(prefill__slp_chunk_tokens=4096), gpu, ARGS, GPU), ARGS, 60e9, 12e9, 4e9,
+                          0, 44 << 20)
+    assert set_.prefill.slp_chunk_tokens == 4096 and plan.prefill.slp_chunk_tokens % 256 == 0
+    with pytest.raises(ConfigError, match="no room for stream-loading prefill"):
+        resolve_memory(resolve(policy(), gpu, ARGS, GPU), ARGS, 5e9, 1e9, 4e9, 0, 44 << 20)
+
+
+def test_the_plan_is_frozen_and_named_as_the_policy():
+    plan = resolve(policy(), _hw(), ARGS, CPU)
+    with pytest.raises(Exception):
+        plan.kv.max_batch = 2  # type: ignore[misc]
+    knobs = {f"{group}.{f.name}" for group in ("cpu", "kv", "prefill", "decode", "gpu")
+             for f in fields(getattr(PolicyConfig(), group))}
+    assert knobs <= set(plan.params()), sorted(knobs - set(plan.params()))
+
+
+def _hw(gpus: int = 0) -> HwConfig:
+    return HwConfig(name="test", gpus=[GpuSpec(name="test GPU", memory_gb=80) for _ in range(gpus)])
