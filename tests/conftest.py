@@ -34,6 +34,12 @@ def kimi_dir(tmp_path_factory) -> Path:
                             progress=False)
 
 
+@pytest.fixture(scope="session")
+def kimi_int4_dir(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("ck") / "tiny_kimi_int4", model_spec("tiny_kimi_int4"), seed=0,
+                            progress=False)
+
+
 @pytest.fixture(scope="session", params=["tiny", "tiny_kimi"])
 def any_dir(request, tiny_dir, kimi_dir) -> Path:
     return {"tiny": tiny_dir, "tiny_kimi": kimi_dir}[request.param]

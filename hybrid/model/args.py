@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hybrid.errors import CheckpointError, UnsupportedArchitecture
+from hybrid.quant import int4
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
@@ -66,6 +67,7 @@ class ModelArgs:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 4096
     fp8_block: Optional[tuple[int, int]] = (128, 128)  # None = BF16 checkpoint
+    expert_group: Optional[int] = None  # routed experts in INT4 with this group size (hybrid/quant/int4.py)
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
 
@@ -90,8 +92,9 @@ class ModelArgs:
 
     @property
     def expert_bytes(self) -> int:
-        """One routed expert's weights as stored (gate, up, down; FP8 or BF16; scales left out)."""
-        return 3 * self.hidden_size * self.moe_intermediate_size * (1 if self.fp8_block else 2)
+        """One routed expert's weights as stored (gate, up, down; INT4, FP8 or BF16; scales left out)."""
+        n = 3 * self.hidden_size * self.moe_intermediate_size
+        return n // 2 if self.expert_group else n * (1 if self.fp8_block else 2)
 
     @staticmethod
     def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> "ModelArgs":
@@ -113,6 +116,7 @@ class ModelArgs:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             fp8_block=_fp8_block(cfg, source),
+            expert_group=int4.expert_group(cfg.get("quantization_config"), source),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=_first(cfg.get("eos_token_id")),
             **{k: cfg[k] for k in REQUIRED},
@@ -178,11 +182,12 @@ def _rope_args(cfg: dict, source: str) -> RopeArgs:
 
 def _fp8_block(cfg: dict, source: str) -> Optional[tuple[int, int]]:
     q = cfg.get("quantization_config")
-    if not q:
+    if not q or q.get("quant_method") == "compressed-tensors":  # INT4 experts, the rest BF16
         return None
     if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3":
         raise UnsupportedArchitecture(
-            f"{source}: quantization {q.get('quant_method')!r}/{q.get('fmt')!r} is not supported (only fp8 e4m3)"
+            f"{source}: quantization {q.get('quant_method')!r}/{q.get('fmt')!r} is not supported (only fp8 e4m3 "
+            "or compressed-tensors INT4)"
         )
     block = tuple(q.get("weight_block_size") or (128, 128))
     if len(block) != 2:

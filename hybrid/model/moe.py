@@ -64,7 +64,8 @@ class RoutedExperts(nn.ModuleList):
 
     def __init__(self, args: ModelArgs):
         super().__init__(
-            MLP(args.hidden_size, args.moe_intermediate_size, args.fp8_block) for _ in range(args.n_routed_experts)
+            MLP(args.hidden_size, args.moe_intermediate_size, args.fp8_block, args.expert_group)
+            for _ in range(args.n_routed_experts)
         )
 
     def forward(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:

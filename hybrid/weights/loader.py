@@ -1,5 +1,5 @@
 """Build the model from a checkpoint: every expected tensor present, of the right shape and dtype, scales matching
-their weights, no NaN codes in FP8 weights. Tensors are assigned, not copied: the model's weights are the
+their weights, no NaN codes in FP8 weights, INT4 weights' recorded shapes their own. Tensors are assigned, not copied: the model's weights are the
 checkpoint's memory-mapped pages."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tqdm import tqdm
 from hybrid.errors import CheckpointError
 from hybrid.kernels.scan import fp8_nan_codes
 from hybrid.model.transformer import Transformer
-from hybrid.quant import fp8
+from hybrid.quant import fp8, int4
 from hybrid.weights.checkpoint import TensorSource
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -30,6 +30,7 @@ def load_model(source: TensorSource, dtype: torch.dtype = torch.bfloat16, progre
             state[name] = _checked(source, name, shape, dtype_)
             bar.update(state[name].nbytes)
     model.load_state_dict(state, assign=True, strict=True)
+    _check_int4_shapes(source, model)
     return model.eval()
 
 
@@ -53,10 +54,20 @@ def _is_skipped_layer(name: str, n_layers: int) -> bool:
 
 
 def _dtype_ok(name: str, actual: torch.dtype, expected: torch.dtype) -> bool:
-    """FP8 weights and their F32 scales exactly; other tensors (norms, embeddings, router) any float dtype."""
-    if expected == fp8.FP8 or name.endswith("weight_scale_inv"):
+    """FP8 weights and their F32 scales exactly, INT4 packed words int32 and shapes any int; other tensors (norms,
+    embeddings, router, INT4 scales) any float dtype."""
+    if name.endswith("weight_shape"):
+        return actual in int4.SHAPE_DTYPES
+    if expected in (fp8.FP8, torch.int32) or name.endswith("weight_scale_inv"):
         return actual == expected
     return actual in FLOATS
+
+
+def _check_int4_shapes(source: TensorSource, model: Transformer) -> None:
+    for name, m in model.named_modules():
+        if hasattr(m, "weight_packed") and m.weight_shape.tolist() != [m.out_features, m.in_features]:
+            raise CheckpointError(f"{source.where(name + '.weight_shape')}: tensor {name + '.weight_shape'!r} records "
+                                  f"{m.weight_shape.tolist()} where [{m.out_features}, {m.in_features}] is expected")
 
 
 def _checked(source: TensorSource, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -65,7 +76,7 @@ def _checked(source: TensorSource, name: str, shape: tuple, dtype: torch.dtype) 
     if not _dtype_ok(name, t.dtype, dtype):
         raise CheckpointError(f"{where}: dtype {t.dtype} where {dtype} is expected")
     if tuple(t.shape) != shape:
-        kind = "scale shape mismatch" if name.endswith("weight_scale_inv") else "wrong shape"
+        kind = "scale shape mismatch" if name.endswith(("weight_scale_inv", "weight_scale")) else "wrong shape"
         raise CheckpointError(f"{where}: {kind}: {list(t.shape)} where {list(shape)} is expected")
     if t.dtype == fp8.FP8:
         bad = fp8_nan_codes(t)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import copy
 
+from hybrid.quant import int4
+
 _FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 
 DEEPSEEK_V3 = {
@@ -74,8 +76,11 @@ KIMI_K2 = {
     "vocab_size": 163840,
 }
 
-PRESETS = {"deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2}
-CHAT_TEMPLATES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "kimi_k2"}  # a base's default family of chat template
+# Kimi-K2 with its routed experts in INT4 (compressed-tensors, group 32), the rest BF16
+KIMI_K2_THINKING = {**KIMI_K2, "quantization_config": int4.KIMI_K2_THINKING}
+
+PRESETS = {"deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2, "kimi_k2_thinking": KIMI_K2_THINKING}
+CHAT_TEMPLATES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "kimi_k2", "kimi_k2_thinking": "kimi_k2_thinking"}  # a base's default family of chat template
 
 
 def chat_family(spec: dict) -> str:

@@ -1,8 +1,10 @@
 """Synthetic checkpoints in exactly the published layout (config.json with quantization_config, safetensors shards
-plus index, FP8 weights with 128x128 block scales, tokenizer files), any dimensions, deterministic by seed.
+plus index, FP8 weights with 128x128 block scales or INT4 experts packed as compressed-tensors does, tokenizer files),
+any dimensions, deterministic by seed.
 
 Values come from random bytes (fast enough for real DeepSeek-V3 dimensions): FP8 weights are random valid E4M3
-codes with per-block scales sized so every Linear has weights of RMS ~ 1/sqrt(fan_in).
+codes, INT4 weights random nibbles, with per-block (per-group) scales sized so every Linear has weights of
+RMS ~ 1/sqrt(fan_in).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from tqdm import tqdm
 from hybrid.errors import CheckpointError
 from hybrid.model.args import ModelArgs
 from hybrid.model.transformer import Transformer
-from hybrid.quant import fp8
+from hybrid.quant import fp8, int4
 from hybrid.weights.checkpoint import INDEX, SINGLE, InMemoryCheckpoint
 from hybrid.weights.presets import chat_family, hf_config
 from hybrid.weights.safetensors_io import TensorSpec, write
@@ -30,6 +32,7 @@ from hybrid.weights.tokenizer_files import write_byte_tokenizer
 _CODES = torch.arange(256, dtype=torch.uint8)
 _VALID = _CODES[(_CODES & 0x7F) != 0x7F]
 RMS_CODE = float(_VALID.view(fp8.FP8).float().pow(2).mean().sqrt())
+RMS_INT4 = math.sqrt(sum(q * q for q in range(-8, 8)) / 16)
 GENERATOR = 3  # in the cached checkpoints' digest: a change to what is generated makes a new directory
 
 
@@ -59,6 +62,8 @@ def _make(name: str, shape: tuple, dtype: torch.dtype, weight_shapes: dict, seed
         rng = _rng(seed, name)
         if dtype == fp8.FP8:
             return fp8_codes(rng, shape)
+        if name.endswith(int4.TENSORS):
+            return _int4_tensor(name, shape, rng, weight_shapes)
         if name.endswith("weight_scale_inv"):
             k = weight_shapes[name.removesuffix("_scale_inv")][1]
             jitter = rng.lognormal(0.0, 0.3, size=shape).astype(np.float32)
@@ -73,11 +78,28 @@ def _make(name: str, shape: tuple, dtype: torch.dtype, weight_shapes: dict, seed
     return make
 
 
+def _int4_tensor(name: str, shape: tuple, rng: np.random.Generator, weight_shapes: dict) -> torch.Tensor:
+    """Random nibbles (a row's padding nibbles zero, as packed), scales for RMS ~ 1/sqrt(K), or the shape (N, K)."""
+    n, k = weight_shapes[name.rsplit("_", 1)[0]]  # the unpacked weight's shape, under "<linear>.weight"
+    if name.endswith("weight_shape"):
+        return torch.tensor([n, k], dtype=torch.int64)
+    if name.endswith("weight_scale"):
+        jitter = rng.lognormal(0.0, 0.3, size=shape).astype(np.float32)
+        return torch.from_numpy(jitter / (RMS_INT4 * math.sqrt(k))).to(torch.bfloat16)
+    n_words = math.prod(shape)
+    words = torch.from_numpy(rng.bit_generator.random_raw(-(-n_words // 2)).view(np.int32)[:n_words]).reshape(shape)
+    if k % int4.PER_WORD:
+        words[:, -1] &= (1 << 4 * (k % int4.PER_WORD)) - 1
+    return words
+
+
 def tensor_specs(args: ModelArgs, seed: int) -> list[TensorSpec]:
     with torch.device("meta"):
         model = Transformer(args)
     state = model.state_dict()
     shapes = {k: tuple(v.shape) for k, v in state.items()}
+    shapes.update({f"{n}.weight": (m.out_features, m.in_features) for n, m in model.named_modules()
+                   if hasattr(m, "weight_packed")})  # INT4 weights' unpacked shapes
     return [TensorSpec(k, shapes[k], v.dtype, _make(k, shapes[k], v.dtype, shapes, seed)) for k, v in state.items()]
 
 
