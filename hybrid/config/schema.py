@@ -126,6 +126,8 @@ class CpuPolicy:
     # host: AMX ahead from 4), 1 under decode.batch_invariant (every expert call on tiles)
     deferred_experts: int = 0  # experts deferred to overlap the next layer (changes outputs slightly)
     lm_head: str = "bf16"  # lm_head without a GPU: bf16 (as published) | fp8 (quantised at load; changes logits)
+    amx_overlap: Optional[bool] = None  # kernel amx: the next weight slab converted while this one's tiles multiply
+    # (the same bits either way); null = on
 
     def __post_init__(self) -> None:
         _at_least(self, "cpu", 1, "threads", optional=True)

@@ -22,7 +22,7 @@ from hybrid.engine.long_prefill import LongPrefill
 from hybrid.engine.probe import probe
 from hybrid.errors import ConfigError
 from hybrid.kernels import combine, fp8_linear, pointwise, thread_pool
-from hybrid.kernels.gemm import set_amx_min_tokens, set_batch_invariant, set_tile_min_tokens
+from hybrid.kernels.gemm import set_amx_min_tokens, set_amx_overlap, set_batch_invariant, set_tile_min_tokens
 from hybrid.model.transformer import Transformer
 from hybrid.placement.hot_experts import HotExperts
 from hybrid.placement.memory import check_kv_cache, free_bytes, kv_cache_bytes
@@ -51,6 +51,7 @@ def configure_cpu(cpu: CpuPlan) -> None:
     set_tile_min_tokens(cpu.gemm_tile_tokens)
     set_amx_min_tokens(cpu.amx_min_tokens)
     set_batch_invariant(cpu.batch_invariant)
+    set_amx_overlap(cpu.amx_overlap)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ class CpuPlan:
     batch_invariant: bool  # the kernels keep one form of sums at every token count (decode.batch_invariant)
     deferred_experts: int = field(metadata=PLACED)
     lm_head: str = field(metadata=PLACED)  # bf16 | fp8: the lm_head's weights on the CPU (bf16 where a GPU holds it)
+    amx_overlap: bool
 
 
 @dataclass(frozen=True)

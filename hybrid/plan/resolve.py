@@ -48,7 +48,8 @@ def resolve(p: PolicyConfig, hw: HwConfig, args, probe: Probe) -> Plan:
     cpu = CpuPlan(threads=p.cpu.threads or hw.cpu.cores or probe.physical_cores, kernel=kernel,
                   moe_backend=p.cpu.moe_backend, gemm_tile_tokens=gemm_tile_tokens(p, kernel),
                   amx_min_tokens=amx_min_tokens(p), batch_invariant=p.decode.batch_invariant,
-                  deferred_experts=p.cpu.deferred_experts, lm_head=p.cpu.lm_head if not cuda and native else "bf16")
+                  deferred_experts=p.cpu.deferred_experts, lm_head=p.cpu.lm_head if not cuda and native else "bf16",
+                  amx_overlap=p.cpu.amx_overlap is not False)
     graphs = graphs_mode(p, cuda, native, notes)
     hostfn = graphs == "hostfn"
     d = p.decode

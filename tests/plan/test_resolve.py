@@ -149,3 +149,19 @@ def test_the_plan_is_frozen_and_named_as_the_policy():
 
 def _hw(gpus: int = 0) -> HwConfig:
     return HwConfig(name="test", gpus=[GpuSpec(name="test GPU", memory_gb=80) for _ in range(gpus)])
+
+
+def test_amx_overlap_reaches_the_kernels(monkeypatch):
+    """A knob from the schema through resolve to its one consumer, the native settings (build.configure_cpu)."""
+    from hybrid.engine import build
+
+    assert resolve(policy(), _hw(), ARGS, CPU).cpu.amx_overlap is True  # null: on
+    off = resolve(policy(cpu__amx_overlap=False), _hw(), ARGS, CPU).cpu
+    set_to = {}
+    for name in ("set_amx_overlap", "set_amx_min_tokens", "set_tile_min_tokens", "set_batch_invariant"):
+        monkeypatch.setattr(build, name, lambda v, name=name: set_to.setdefault(name, v))
+    monkeypatch.setattr(build.thread_pool, "set_threads", lambda n: set_to.setdefault("threads", n))
+    monkeypatch.setattr(build.torch, "set_num_threads", lambda n: None)
+    build.configure_cpu(off)
+    assert set_to == {"set_amx_overlap": False, "set_amx_min_tokens": 4, "set_tile_min_tokens": 16,
+                      "set_batch_invariant": False, "threads": 8}
