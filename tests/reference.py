@@ -1,5 +1,6 @@
 """The reference: transformers' DeepseekV3ForCausalLM on our checkpoint's weights, dequantised by us (its own FP8
-loader mis-handles weights whose row count is not a multiple of 128)."""
+loader mis-handles weights whose row count is not a multiple of 128; INT4 experts it reads through compressed-tensors,
+rounding q·s to BF16)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hybrid.quant import fp8
+from hybrid.quant import fp8, int4
 from hybrid.weights.checkpoint import Checkpoint
 
 
@@ -18,11 +19,15 @@ def dequantised_copy(src: Path, dst: Path, dtype=torch.float32) -> Path:
     block = ck.args.fp8_block
     tensors = {}
     for name in ck.names():
-        if name.endswith("weight_scale_inv"):
+        if name.endswith(("weight_scale_inv", "weight_scale", "weight_shape")):
             continue
         t = ck.tensor(name)
         if t.dtype == fp8.FP8:
             t = fp8.dequantize(t, ck.tensor(name + "_scale_inv"), block, torch.float32)
+        if name.endswith("weight_packed"):
+            name = name.removesuffix("_packed")
+            shape = tuple(ck.tensor(name + "_shape").tolist())
+            t = int4.dequantize(t, ck.tensor(name + "_scale"), shape, torch.float32, ck.args.expert_group)
         tensors[name] = t.to(dtype).contiguous()
     dst.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(dst / "model.safetensors"))

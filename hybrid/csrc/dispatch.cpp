@@ -10,6 +10,7 @@
 
 #include "cpu_features.h"
 #include "gemm_amx.h"
+#include "gemm_int4.h"
 
 #ifndef HYBRID_AMX_BUILT
 #define HYBRID_AMX_BUILT 0
@@ -102,6 +103,7 @@ Isa resolve_isa(const std::string& name) {
 }
 
 XLayout x_layout(Isa isa, const GemmProblem& p) {
+  if (p.wt == WeightType::int4) return XLayout::plain;  // the INT4 kernels read bf16 activations as they are
   switch (isa) {
     case Isa::amx: return amx_tiles(p) ? XLayout::amx : XLayout::avx512;
     case Isa::amx_emulated: return amx_tiles(p) ? XLayout::amx : XLayout::plain;
@@ -130,6 +132,7 @@ int64_t scratch_elems(Isa isa, int64_t K) {
 }
 
 void gemm_rows(Isa isa, const GemmProblem& p, const uint16_t* xprep, int64_t n0, int64_t n1, uint16_t* tile) {
+  if (p.wt == WeightType::int4) return int4_rows(isa, p, n0, n1);
   switch (isa) {
     case Isa::amx:
 #if HYBRID_AMX_BUILT

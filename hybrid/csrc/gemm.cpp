@@ -8,6 +8,7 @@
 #include "cpu_features.h"
 #include "dispatch.h"
 #include "gemm_amx.h"
+#include "gemm_int4.h"
 #include "scratch.h"
 #include "thread_pool.h"
 
@@ -41,8 +42,9 @@ void check_shape(const View& v, const char* name, std::initializer_list<int64_t>
 }
 
 GemmProblem make_problem(const View& x, const View& w, const View* scale, const View& y) {
+  if (w.dtype == "int32") return make_int4_problem(x, w, scale, y);
   check_view(x, "x", {"bfloat16"}, 2);
-  check_view(w, "w", {"float8_e4m3fn", "bfloat16"}, 2);
+  check_view(w, "w", {"float8_e4m3fn", "bfloat16", "int32"}, 2);
   check_view(y, "y", {"float32"}, 2);
   const int64_t M = x.dim(0), K = x.dim(1), N = w.dim(0);
   check_shape(w, "w", {N, K});

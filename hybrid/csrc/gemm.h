@@ -1,5 +1,6 @@
 // Y[M,N] (fp32) = X[M,K] (bf16) · W[N,K]^T, W in FP8 E4M3 with one fp32 scale per 128x128 block ("post-scaling":
-// each block's scale is applied once to that block's dot product), or W in BF16.
+// each block's scale is applied once to that block's dot product), in packed INT4 with one bf16 scale per group of
+// 32 inputs (gemm_int4.h, the same post-scaling per group), or in BF16.
 // One row-range entry point per ISA; threads split N in 128-row-aligned ranges (see gemm.cpp).
 // The ISA files are compiled with their own -m flags: they define no inline or template code that other files
 // could share (the linker could pick their copy and run it on a CPU without that ISA).
@@ -8,7 +9,7 @@
 
 namespace hybrid {
 
-enum class WeightType { fp8, bf16 };
+enum class WeightType { fp8, bf16, int4 };
 // amx: the AVX-512 kernel below amx_min_m tokens, AMX tiles from there on (gemm_amx.h); amx_emulated: the same
 // tiling with the tile operations emulated in plain C++ (any CPU; it checks the AMX path's layouts, not its speed).
 // avx512: the avx512_bf16 kernel for AVX-512 CPUs without BF16 instructions (vdpbf16ps emulated with FP32 FMAs).
@@ -19,7 +20,7 @@ constexpr int kBlock = 128;  // FP8 scale block (both dims)
 struct GemmProblem {
   const uint16_t* x;  // [M, K] bf16, row stride ldx (elements)
   int64_t ldx;
-  const void* w;  // [N, K] fp8 or bf16, row stride ldw (elements)
+  const void* w;  // [N, K] fp8 or bf16, or int4: [N, ceil(K/8)] int32 words; row stride ldw (elements, words)
   int64_t ldw;
   const float* scale;  // [ceil(N/128), ceil(K/128)] fp32, row stride lds; null for bf16
   int64_t lds;
@@ -27,6 +28,7 @@ struct GemmProblem {
   int64_t ldy;
   int64_t M, N, K;
   WeightType wt;
+  const uint16_t* group_scale = nullptr;  // int4: [N, ceil(K/32)] bf16, row stride lds (scale stays null)
 };
 
 // Activations prepared once per call for the AVX-512 kernel: bf16, K padded to 64-wide chunks with zeros, and

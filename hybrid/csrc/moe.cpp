@@ -9,6 +9,7 @@
 #include "clock.h"
 #include "dispatch.h"
 #include "gemm_amx.h"
+#include "gemm_int4.h"
 #include "gemm_op.h"
 #include "thread_pool.h"
 
@@ -127,8 +128,12 @@ MoELayer::MoELayer(const std::vector<View>& gate, const std::vector<View>& gate_
     : p_(std::make_unique<Plan>()) {
   const size_t E = gate.size();
   if (E == 0 || up.size() != E || down.size() != E) fail("gate, up and down need one weight per expert, same count");
-  check_view(gate[0], "gate[0]", {"float8_e4m3fn", "bfloat16"}, 2);  // before its dtype and dims are read
-  wt_ = gate[0].dtype == "bfloat16" ? WeightType::bf16 : WeightType::fp8;
+  check_view(gate[0], "gate[0]", {"float8_e4m3fn", "bfloat16", "int32"}, 2);  // before its dtype and dims are read
+  wt_ = gate[0].dtype == "bfloat16" ? WeightType::bf16 : gate[0].dtype == "int32" ? WeightType::int4 : WeightType::fp8;
+  if (wt_ == WeightType::int4) {
+    add_int4_experts(gate, gate_scale, up, up_scale, down, down_scale);
+    return;
+  }
   const size_t n_scales = wt_ == WeightType::fp8 ? E : 0;
   if (gate_scale.size() != n_scales || up_scale.size() != n_scales || down_scale.size() != n_scales)
     fail(wt_ == WeightType::fp8 ? "FP8 experts need one scale per weight" : "BF16 experts take no scales");
@@ -176,6 +181,35 @@ std::map<std::string, double> MoELayer::last_stage_s() const {
           {"silu", p.silu_ns.load() * 1e-9},
           {"down", p.down_ns.load() * 1e-9},
           {"sums", p.sums_ns.load() * 1e-9}};
+}
+
+void MoELayer::add_int4_experts(const std::vector<View>& gate, const std::vector<View>& gate_scale,
+                                const std::vector<View>& up, const std::vector<View>& up_scale,
+                                const std::vector<View>& down, const std::vector<View>& down_scale) {
+  const size_t E = gate.size();
+  if (gate_scale.size() != E || up_scale.size() != E || down_scale.size() != E)
+    fail("INT4 experts need one scale per weight");
+  check_view(down[0], "down[0]", {"int32"}, 2);
+  I_ = gate[0].dim(0);
+  D_ = down[0].dim(0);
+  for (size_t e = 0; e < E; ++e) {
+    check_int4(gate[e], &gate_scale[e], at("gate", e), at("gate_scale", e), I_, D_);
+    check_int4(up[e], &up_scale[e], at("up", e), at("up_scale", e), I_, D_);
+    check_int4(down[e], &down_scale[e], at("down", e), at("down_scale", e), D_, I_);
+    if (gate[e].strides[0] != up[e].strides[0]) fail(at("up", e) + ": row stride differs from gate's");
+    if (gate_scale[e].strides[0] != up_scale[e].strides[0]) fail(at("up_scale", e) + ": row stride differs");
+    w_.push_back({gate[e].data<const void>(), up[e].data<const void>(), down[e].data<const void>(),
+                  gate_scale[e].data<const void>(), up_scale[e].data<const void>(), down_scale[e].data<const void>(),
+                  gate[e].strides[0], down[e].strides[0], gate_scale[e].strides[0], down_scale[e].strides[0]});
+  }
+}
+
+GemmProblem MoELayer::problem(const uint16_t* x, int64_t ldx, const void* w, int64_t ldw, const void* scale,
+                              int64_t lds, float* y, int64_t ldy, int64_t M, int64_t N, int64_t K) const {
+  GemmProblem q{x, ldx, w, ldw, nullptr, lds, y, ldy, M, N, K, wt_};
+  if (wt_ == WeightType::int4) q.group_scale = static_cast<const uint16_t*>(scale);
+  else q.scale = static_cast<const float*>(scale);
+  return q;
 }
 
 void MoELayer::plan(const View& x, const View& ids, const View& weights, const View& out) {
@@ -341,8 +375,8 @@ void MoELayer::gate_up(int e, int64_t r0, int64_t r1, uint16_t* tile) {
   float* g = p.g.data() + base * I_;
   float* u = p.u.data() + base * I_;
   const int64_t t0 = now_ns();
-  gemm_rows(p.isa, {x, D_, w.gate, w.ld_gu, w.gs, w.lds_gu, g, I_, M, I_, D_, wt_}, xprep, r0, r1, tile);
-  gemm_rows(p.isa, {x, D_, w.up, w.ld_gu, w.us, w.lds_gu, u, I_, M, I_, D_, wt_}, xprep, r0, r1, tile);
+  gemm_rows(p.isa, problem(x, D_, w.gate, w.ld_gu, w.gs, w.lds_gu, g, I_, M, I_, D_), xprep, r0, r1, tile);
+  gemm_rows(p.isa, problem(x, D_, w.up, w.ld_gu, w.us, w.lds_gu, u, I_, M, I_, D_), xprep, r0, r1, tile);
   const int64_t t1 = now_ns();
   p.gate_up_ns.fetch_add(t1 - t0, std::memory_order_relaxed);
   // h in the layout the down kernel reads: row-major (lane order for the AVX-512 FP8 kernel) or the AMX layout
@@ -383,7 +417,7 @@ void MoELayer::down(int e, int64_t r0, int64_t r1, uint16_t* tile) {
   const int64_t base = p.row0[e];
   const bool plain = p.layout[e] == XLayout::plain;
   const uint16_t* h = p.h.data() + p.prow0[e] * p.ldh;
-  const GemmProblem q{h, p.ldh, w.down, w.ld_d, w.ds, w.lds_d, p.y.data() + base * D_, D_, p.rows[e], D_, I_, wt_};
+  const GemmProblem q = problem(h, p.ldh, w.down, w.ld_d, w.ds, w.lds_d, p.y.data() + base * D_, D_, p.rows[e], D_, I_);
   const int64_t t0 = now_ns();
   gemm_rows(p.isa, q, plain ? nullptr : h, r0, r1, tile);
   const int64_t t1 = now_ns();

@@ -30,8 +30,9 @@ void silu_mul(const View& g, const View& u, const View& out);
 
 class MoELayer {
  public:
-  // Per expert e: gate[e], up[e] [I, D] and down[e] [D, I], FP8 (with *_scale [ceil/128 blocks] f32) or BF16
-  // (scale lists empty). The tensors must outlive the layer (the Python wrapper holds them).
+  // Per expert e: gate[e], up[e] [I, D] and down[e] [D, I], FP8 (with *_scale [ceil/128 blocks] f32), packed INT4
+  // (int32 [I, ceil(D/8)] and [D, ceil(I/8)], with *_scale [ceil/32 groups] bf16; gemm_int4.h) or BF16 (scale
+  // lists empty). The tensors must outlive the layer (the Python wrapper holds them).
   MoELayer(const std::vector<View>& gate, const std::vector<View>& gate_scale, const std::vector<View>& up,
            const std::vector<View>& up_scale, const std::vector<View>& down, const std::vector<View>& down_scale);
   ~MoELayer();  // waits for a submitted call still running
@@ -66,7 +67,7 @@ class MoELayer {
  private:
   struct Expert {
     const void *gate, *up, *down;
-    const float *gs, *us, *ds;
+    const void *gs, *us, *ds;  // f32 block scales (FP8) or bf16 group scales (INT4)
     int64_t ld_gu, ld_d, lds_gu, lds_d;
   };
   struct Task {
@@ -83,6 +84,11 @@ class MoELayer {
   void gate_up(int e, int64_t r0, int64_t r1, uint16_t* tile);
   void down(int e, int64_t r0, int64_t r1, uint16_t* tile);
   void reduce(int64_t t, int64_t d0, int64_t d1);
+  void add_int4_experts(const std::vector<View>& gate, const std::vector<View>& gate_scale,
+                        const std::vector<View>& up, const std::vector<View>& up_scale, const std::vector<View>& down,
+                        const std::vector<View>& down_scale);
+  GemmProblem problem(const uint16_t* x, int64_t ldx, const void* w, int64_t ldw, const void* scale, int64_t lds,
+                      float* y, int64_t ldy, int64_t M, int64_t N, int64_t K) const;
 
   std::vector<Expert> w_;
   WeightType wt_;

@@ -1,4 +1,5 @@
-"""y = x · wᵀ on the CPU with FP8 (128x128 block-scaled, post-scaling) or BF16 weights (csrc/gemm.cpp)."""
+"""y = x · wᵀ on the CPU with FP8 (128x128 block-scaled, post-scaling), packed INT4 (bf16 scale per group of 32,
+post-scaling: csrc/gemm_int4.cpp) or BF16 weights (csrc/gemm.cpp)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -12,7 +13,8 @@ from hybrid.kernels.view import view
 
 def gemm(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
          kernel: str = "auto") -> torch.Tensor:
-    """x [M, K] bf16; w [N, K] float8_e4m3fn with scale [ceil(N/128), ceil(K/128)] f32, or bf16; -> [M, N] f32."""
+    """x [M, K] bf16; w [N, K] float8_e4m3fn with scale [ceil(N/128), ceil(K/128)] f32, or w [N, ceil(K/8)] int32
+    (INT4 as hybrid/quant/int4.py packs it) with scale [N, ceil(K/32)] bf16, or bf16; -> [M, N] f32."""
     if out is None:
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
     _native.gemm(view(x), view(w), None if scale is None else view(scale), view(out), kernel_name(kernel))
