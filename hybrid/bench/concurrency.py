@@ -101,7 +101,7 @@ def _intervals(times: list[float], start: float, end: float) -> list[float]:
 
 def _cpu_experts_s(engine) -> Optional[float]:
     """The CPU experts' time so far in graphed decode steps (their native jobs' own clocks); None when eager."""
-    graphs = engine.parts.get("graphs")
+    graphs = engine.graphs
     return None if graphs is None else sum(job.cpu_s for job in graphs.jobs())
 
 
@@ -109,7 +109,7 @@ def _cpu_spans(engine, tracing: bool) -> dict[int, list[tuple[int, int]]]:
     """The graphed decode steps' CPU-expert calls since the last take, by job (id), each (submit, complete) in
     time.monotonic_ns() (their native jobs' notes); from now on noted while `tracing`. Taken only while no call
     runs (the workers write the notes)."""
-    graphs = engine.parts.get("graphs")
+    graphs = engine.graphs
     spans = {}
     for job in graphs.jobs() if graphs is not None else []:
         spans[id(job)] = job.take_spans()
@@ -119,7 +119,7 @@ def _cpu_spans(engine, tracing: bool) -> dict[int, list[tuple[int, int]]]:
 
 def _layer_spans(engine, spans: dict[int, list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
     """The single-batch steps' calls by MoE layer (lane 0's graphs), from _cpu_spans' notes."""
-    graphs = engine.parts.get("graphs")
+    graphs = engine.graphs
     layers = graphs.layer_jobs() if graphs is not None else []
     return [[span for job in jobs for span in spans.get(id(job), [])] for jobs in layers]
 
@@ -236,7 +236,7 @@ def measure(engine, s) -> Records:
 
     b = s.bench
     scenarios = [parse_scenario(n) for n in b.scenarios]
-    streams = engine.device.type == "cuda" and engine.parts.get("loader") is not None
+    streams = engine.device.type == "cuda" and engine.placed.loader is not None
     most = max((sc.decodes for sc in scenarios), default=0)
     check(b, scenarios, engine.plan.batch_cap, engine.plan.max_batch, engine.plan.max_context)
     streamed = streams and engine.plan.slp_cutoff_tokens < b.long_prompt_tokens

@@ -145,10 +145,10 @@ def run(settings) -> list[Record]:
     graphs = {m: engine.decoder(m) for m in modes[1:]}
     records = [Record("read_roof", roof, "GB/s", extra={"streams": streams})]
     for ctx in cfg.contexts:
-        syncs0 = engine.parts["staging"].syncs
+        syncs0 = engine.placed.staging.syncs
         times, parts = _context(engine, cfg, ctx)
         records += _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, a.first_k_dense_replace,
-                            (engine.parts["staging"].syncs - syncs0) / (cfg.steps + 2), s, a)
+                            (engine.placed.staging.syncs - syncs0) / (cfg.steps + 2), s, a)
         eager_tpot, experts = statistics.median(times), parts["experts_read"] / len(times)
         for mode, g in graphs.items():
             times, parts = _graphed(engine, cfg, ctx, g)

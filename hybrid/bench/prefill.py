@@ -83,7 +83,7 @@ def _tile_sweep(engine, n: int, specs) -> list[Record]:
     """TTFT with each Triton tile for prefill-sized row counts (`bench.fp8_tiles`)."""
     if not specs or fp8_linear.triton is None:
         return []
-    default, shapes, out = engine.parts["gemm"], expert_gemm_shapes(engine.model.args), []
+    default, shapes, out = engine.placed.gemm, expert_gemm_shapes(engine.model.args), []
     for spec in specs:
         gemm = default.with_("triton", fp8_linear.Tile.parse(spec))  # every row count through the FP8 GEMM
         fp8_linear.warm_up(shapes, engine.device, gemm)  # compile outside the timing
@@ -117,7 +117,7 @@ def run(settings) -> list[Record]:
     engine = build(s, s.hw, progress=sys.stderr.isatty())
     if engine.device.type == "cpu" and s.policy.cpu.moe_backend == "native":
         return _cpu_only(engine, cfg)
-    if engine.device.type != "cuda" or engine.parts["loader"] is None:
+    if engine.device.type != "cuda" or engine.placed.loader is None:
         raise ConfigError("bench=prefill streams experts through a GPU: it needs a GPU profile (+hw=...) with CUDA "
                           "and policy.cpu.moe_backend=native")
     if max(cfg.prompt_lengths) > s.policy.kv.max_context:
@@ -157,7 +157,7 @@ def run(settings) -> list[Record]:
         t = _ttft(engine, longest, group=group, loop=loop)
         records.append(Record("slp_group_sweep", t, "s", None, longest, extra={"slp_group_experts": group, **loop}))
     for how in fp8_linear.BACKENDS:  # the FP8 math on the streamed experts: FP8 GEMM, dequantise, by rows
-        t = _ttft(engine, longest, gemm=engine.parts["gemm"].with_(backend=how))
+        t = _ttft(engine, longest, gemm=engine.placed.gemm.with_(backend=how))
         records.append(Record("slp_fp8_gemm", t, "s", None, longest, extra={
             "backend": how, "applies": a.fp8_block is not None and (how == "dequant" or fp8_linear.triton
                                                                      is not None)}))

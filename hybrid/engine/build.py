@@ -85,7 +85,7 @@ def replan(engine: Engine, s: HybridConfig, hw: HwConfig) -> Engine:
     """A new Engine for policy s.policy around `engine`'s placed model (its KV cache, stream loader and, where they
     still apply, hot experts and captured graphs kept). The plan's placed fields must not change; `engine` must be
     idle and is not used after."""
-    placed: Placed = engine.parts["placed"]
+    placed: Placed = engine.placed
     old = placed.plan
     cpu_peer = old.prefill.gpus > 1 and not old.cuda
     plan = resolve(s.policy, hw, placed.model.args, probe(hw, placed.model.dtype, cpu_peer))
@@ -152,11 +152,11 @@ def assemble(placed: Placed, s: HybridConfig, plan: Plan, previous: Optional[Eng
     chunk_prefill_attention(model, plan.prefill.attention_chunk_tokens)
     same_hot = previous is not None and previous.plan.gpu_experts_per_layer == plan.gpu.experts_per_layer
     if same_hot:
-        hot = previous.parts["hot"]
+        hot = previous.hot
         for h in hot:  # each engine starts cold: a trial's hot set is its own traffic's, not earlier trials'
             h.reset()
     else:
-        if previous is not None and previous.parts["hot"]:
+        if previous is not None and previous.hot:
             hot_experts_to_device(model, 0, device)  # the old slots go before the new are counted against the budget
         hot = hot_experts(plan, model, placed.gemm)
     hot_bytes = sum(h.nbytes for h in hot)
@@ -190,10 +190,8 @@ def assemble(placed: Placed, s: HybridConfig, plan: Plan, previous: Optional[Eng
             decode = GraphedDecode(model, cache, placed.staging, d.cuda_graphs, plan.kv.max_batch, d.cpu_join)
     print(plan.describe(), file=sys.stderr)
     after = functools.partial(_refresh, hot) if hot else None
-    parts = {"staging": placed.staging, "loader": placed.loader, "graphs": decode, "hot": hot, "gemm": placed.gemm,
-             "fused": placed.fused, "placed": placed}
-    return Engine(model, _flat(plan), placed.tokenizer, cache, decode, long_prefill, after, parts,
-                  start_peer(placed, s) if previous is None else previous.peer)
+    return Engine(model, _flat(plan), placed.tokenizer, cache, decode, long_prefill, after, placed=placed, hot=hot,
+                  peer=start_peer(placed, s) if previous is None else previous.peer)
 
 
 def _flat(plan: Plan):

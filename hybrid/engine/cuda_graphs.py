@@ -55,6 +55,7 @@ import torch
 from hybrid import _native
 from hybrid.placement.passes import CpuExperts, DeferredCpuExperts, ExpertsWrapper, cpu_experts, swap_experts
 from hybrid.placement.staging import Staging
+from hybrid.engine.decoder import Decoder
 from hybrid.engine.streams import decode_stream
 from hybrid.config.schema import CPU_JOINS
 from hybrid.errors import ConfigError
@@ -304,9 +305,9 @@ class _Lane:
         return self.inputs[b]
 
 
-class GraphedDecode:
+class GraphedDecode(Decoder):
     """decode(tokens_B1, pos_B1, slots_B, kv_len) -> logits_BV through captured graphs (same result as
-    `model(...)[:, -1]`); `dual(...)` runs two micro-batches' steps overlapped."""
+    `model(...)[:, -1]`); `dual(...)` runs two micro-batches' steps overlapped; hostfn graphs stagger them."""
 
     def __init__(self, model: Transformer, cache: KVCache, staging: Staging, mode: str, max_batch: int,
                  join: str = "host"):
@@ -322,6 +323,10 @@ class GraphedDecode:
         self.main = _Lane(0, mode, self.device)
         self.lanes: list[_Lane] = []  # dual-batch decode's two lanes, made on first use
         staging.reserve(max_batch)
+
+    @property
+    def staggers(self) -> bool:
+        return self.mode == "hostfn"
 
     @property
     def graphs(self) -> dict[tuple[int, int], _Graph]:

@@ -122,6 +122,13 @@ class Scheduler:
             budget -= end - req.prefilled
         return plan
 
+    def one_device(self, beside_decode: bool, streams: bool) -> None:
+        """The prefill peer is gone: a stream-loaded prompt takes this one device (beside decode as `beside_decode`
+        says); where this process streams nothing itself (`streams` False), every prompt goes in chunks."""
+        self.gpus, self.beside_decode = 1, beside_decode
+        if not streams:
+            self.long_cutoff = None
+
     def finish(self, req: Request) -> None:
         """Out of the queue or its slot (the slot is free for the next request)."""
         if req in self.running:

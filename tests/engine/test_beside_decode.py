@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from hybrid.engine.build import slot_bytes
+from hybrid.engine.decoder import Decoder
 from hybrid.engine.engine import Engine
 from hybrid.placement.passes import cpu_experts, experts_to_cpu_kernels, pin_experts
 from hybrid.engine.plan import Plan
 from hybrid.engine.requests import FinishReason, SamplingParams
 from hybrid.errors import ConfigError
+from hybrid.kernels import thread_pool
 from hybrid.prefill import slp
 from hybrid.prefill.slp import Pipeline, StreamLoader
 from hybrid.prefill.throttle import Throttle
@@ -36,7 +38,7 @@ def hybrid(tiny_dir):
 
 
 def _engine(model, beside: bool = True, cap: float | None = None, budget: float = BIG, context: int = 96,
-            **plan) -> Engine:
+            decode: Decoder | None = None, **plan) -> Engine:
     loader = StreamLoader()
 
     def long_prefill(tokens, throttle=None, cancel=None, **_):
@@ -44,7 +46,26 @@ def _engine(model, beside: bool = True, cap: float | None = None, budget: float 
 
     plan = Plan(max_batch=3, max_context=context, batch_cap=3, prefill_chunk_tokens=8, slp_cutoff_tokens=CUTOFF,
                 prefill_beside_decode=beside, stream_cap_bytes_s=cap, **plan)
-    return Engine(model, plan, long_prefill=long_prefill)
+    return Engine(model, plan, decode=decode, long_prefill=long_prefill)
+
+
+class _Noting(Decoder):
+    """Eager decode that notes, at each step, (a prompt streaming beside?, the pool's threads, the rest held?)."""
+
+    def __init__(self):
+        self.engine: Engine | None = None
+        self.seen: list[tuple[bool, int, bool]] = []
+
+    def __call__(self, *part, capture=True):
+        beside = self.engine._beside
+        self.seen.append((beside.running, thread_pool.threads(), beside.throttle._held))
+        return self.engine.runner.eager(*part)
+
+
+def _noted(model, **plan) -> tuple[Engine, list[tuple[bool, int, bool]]]:
+    note = _Noting()
+    note.engine = _engine(model, decode=note, **plan)
+    return note.engine, note.seen
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -102,28 +123,20 @@ def test_decode_goes_on_while_a_long_prompt_streams_and_tokens_equal_solo(hybrid
     assert got[ids[2]][3][0] < first_long, "the prompt behind the streamed one waited for it"
 
 
-def test_decode_leaves_cores_to_a_prompt_streaming_beside_it(hybrid, slow_stream, monkeypatch):
+def test_decode_leaves_cores_to_a_prompt_streaming_beside_it(hybrid, slow_stream):
     """policy.prefill.beside_cores: while the prompt streams, decode's CPU experts run on that many fewer threads
     (the pool resized between steps, never below one); before and after it, on all of them; tokens unchanged."""
-    from hybrid.engine import engine as engine_module
     from hybrid.engine.plan import decode_threads
-    from hybrid.kernels import thread_pool
 
     before = thread_pool.threads()
-    seen = []  # (prompt streaming beside?, the pool's threads) at each decode step
-    real_step = Engine._decode_step
-
-    def step(self, live, changed):
-        seen.append((self._beside is not None, thread_pool.threads()))
-        return real_step(self, live, changed)
-
-    monkeypatch.setattr(engine_module.Engine, "_decode_step", step)
     short, long_ = (_prompt(10, 1), _greedy(30)), (_prompt(40, 2), _greedy(4))
     try:
-        got = _run(_engine(hybrid, threads=2, prefill_beside_cores=1), {0: [short], 3: [long_]})
+        engine, noted = _noted(hybrid, threads=2, prefill_beside_cores=1)
+        got = _run(engine, {0: [short], 3: [long_]})
         after = thread_pool.threads()
     finally:
         thread_pool.set_threads(before)
+    seen = [(b, threads) for b, threads, _ in noted]  # (prompt streaming beside?, the pool's threads) at each step
     assert {(True, 1), (False, 2)} <= set(seen) and set(seen) <= {(True, 1), (False, 2)}, seen
     assert seen[0] == (False, 2) and after == 2
     solo = _engine(hybrid).generate([short[0]], short[1])[0].output_ids
@@ -366,25 +379,14 @@ def test_a_held_rest_lasts_until_released():
 
 
 @pytest.mark.parametrize("back", [True, False])
-def test_decode_takes_the_prefills_cores_in_its_rests(hybrid, slow_stream, monkeypatch, back):
+def test_decode_takes_the_prefills_cores_in_its_rests(hybrid, slow_stream, back):
     """policy.prefill.cores_back_in_rests: under a duty cycle, a step begun while the prefill rests runs on every
     thread (the rest held until it is done); steps while it works leave it its cores; tokens equal solo."""
-    from hybrid.engine import engine as engine_module
-    from hybrid.kernels import thread_pool
-
     before = thread_pool.threads()
-    seen = []  # (prompt streaming beside?, the pool's threads, the rest held?) at each decode step
-    real_step = Engine._decode_step
-
-    def step(self, live, changed):
-        seen.append((self._beside is not None, thread_pool.threads(), self._throttle._held))
-        return real_step(self, live, changed)
-
-    monkeypatch.setattr(engine_module.Engine, "_decode_step", step)
     short, long_ = (_prompt(10, 1), _greedy(60)), (_prompt(40, 2), _greedy(4))
     try:
-        got = _run(_engine(hybrid, threads=2, prefill_beside_cores=1, stream_duty=0.3, cores_back_in_rests=back),
-                   {0: [short], 3: [long_]})
+        engine, seen = _noted(hybrid, threads=2, prefill_beside_cores=1, stream_duty=0.3, cores_back_in_rests=back)
+        got = _run(engine, {0: [short], 3: [long_]})
     finally:
         thread_pool.set_threads(before)
     beside = {(threads, held) for b, threads, held in seen if b}
@@ -495,15 +497,15 @@ def test_gpu_steps_run_on_the_highest_priority_stream_ordered_with_the_caller():
 
     s = to_settings(compose(["+hw=h200_xeon16", "policy=default", "policy.adapt_to_hardware=true",
                              "policy.decode.cuda_graphs=off"]))
-    engine = build(s, s.hw, progress=False)
+    built = build(s, s.hw, progress=False)
     seen = []
-    decode = engine._decode
+    decode = built.decoder("off")
 
     def spy(*args, **kwargs):
         seen.append(torch.cuda.current_stream())
         return decode(*args, **kwargs)
 
-    engine._decode = spy
+    engine = Engine(built.model, built.plan, built.tokenizer, built.cache, decode=spy)
     caller = torch.cuda.current_stream()
     out = engine.generate([[5, 6, 7, 8]], _greedy(3))[0]
     assert not out.error and len(out.output_ids) == 3

@@ -194,7 +194,7 @@ def test_graphed_decode_matches_eager(mode, invariant):
                                  "policy.decode.batch_cap=2", f"policy.decode.batch_invariant={str(invariant).lower()}",
                                  f"policy.decode.cpu_join={join or 'null'}"]))
         engine = build(s, s.hw, progress=False)
-        assert (engine.parts["graphs"] is None) == (graphs == "off") and engine.plan.cuda_graphs == graphs
+        assert (engine.graphs is None) == (graphs == "off") and engine.plan.cuda_graphs == graphs
         if graphs == "hostfn":
             assert engine.plan.cpu_join == (join or ("signal" if stream_waits(engine.plan.device) else "host"))
         assert bool(engine.plan.gpu_pad_rows) == invariant
@@ -203,7 +203,7 @@ def test_graphed_decode_matches_eager(mode, invariant):
         outputs.append(out)
         if graphs != "off":
             last_kv = max(len(p) + len(o) for p, o in zip(prompts, out)) - 1  # the last token fed back
-            dec = engine.parts["graphs"]  # hostfn: the two sequences decode as two micro-batches on lanes 1-2
+            dec = engine.graphs  # hostfn: the two sequences decode as two micro-batches on lanes 1-2
             buckets = {k[1] for lane in (dec.main, *dec.lanes) for k in lane.graphs}
             ctx = s.policy.kv.max_context  # and the buckets ahead of the last step's, captured with it
             last = kv_bucket(last_kv, ctx)

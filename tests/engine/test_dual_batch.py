@@ -10,7 +10,10 @@ import torch
 from hybrid.config import compose, to_settings
 from hybrid.engine.build import build
 from hybrid.engine.cuda_graphs import CpuStep, interleave
-from hybrid.engine.engine import Engine, micro_batches
+from hybrid.engine.decoder import Decoder, Eager
+from hybrid.engine.engine import Engine
+from hybrid.engine.runner import ModelRunner
+from hybrid.engine.staggered import micro_batches
 from hybrid.placement.passes import CpuExperts, experts_to_cpu_kernels
 from hybrid.engine.plan import Plan
 from hybrid.engine.requests import FinishReason, Request, SamplingParams
@@ -79,26 +82,32 @@ def test_dual_batch_keeps_every_request_on_its_solo_tokens(tiny_model):
     _check_solo(tiny_model, _drive(engine, arrivals), PLAN)
 
 
-class _DualDecoder:
-    """A decoder with `dual` (as graphed decode has): each micro-batch's logits from the eager step, the calls
-    noted."""
+class _DualDecoder(Decoder):
+    """A decoder with its own `dual` (as graphed decode has): each micro-batch's logits from the eager step, the
+    calls noted."""
 
-    def __init__(self, engine: Engine):
-        self.engine, self.calls = engine, []
+    def __init__(self, eager: Decoder):
+        self.eager, self.calls = eager, []
 
     def __call__(self, *part, capture=True):
         self.calls.append(("single", part[0].shape[0]))
-        return self.engine._eager_decode(*part)
+        return self.eager(*part)
 
     def dual(self, parts, capture=True):
         self.calls.append(("dual", [p[0].shape[0] for p in parts]))
-        return [self.engine._eager_decode(*p) for p in parts]
+        return [self.eager(*p) for p in parts]
+
+
+def _with(model, plan: Plan, make, **kw) -> tuple[Engine, Decoder]:
+    """An engine whose decoder is make(its eager decoder), given to it as `decode`."""
+    cache = model.new_cache(plan.max_batch, plan.max_context, plan.device)
+    dec = make(Eager(model, cache))
+    return Engine(model, plan, cache=cache, decode=dec, **kw), dec
 
 
 def test_a_decoder_with_dual_gets_both_micro_batches_and_their_logits_go_to_their_requests(tiny_model):
     v = tiny_model.args.vocab_size
-    engine = Engine(tiny_model, DUAL)
-    dec = engine._decode = _DualDecoder(engine)
+    engine, dec = _with(tiny_model, DUAL, _DualDecoder)
     arrivals = {0: [(_prompt(7, 4, v), _greedy(12)), (_prompt(11, 5, v), _greedy(12)),
                     (_prompt(6, 6, v), _greedy(12))]}
     _check_solo(tiny_model, _drive(engine, arrivals), PLAN)
@@ -108,8 +117,7 @@ def test_a_decoder_with_dual_gets_both_micro_batches_and_their_logits_go_to_thei
 
 def test_without_dual_batch_one_batch_per_step(tiny_model):
     v = tiny_model.args.vocab_size
-    engine = Engine(tiny_model, PLAN)
-    dec = engine._decode = _DualDecoder(engine)
+    engine, dec = _with(tiny_model, PLAN, _DualDecoder)
     _drive(engine, {0: [(_prompt(7, 4, v), _greedy(4)), (_prompt(9, 5, v), _greedy(4))]})
     assert ("single", 2) in dec.calls and not any(kind == "dual" for kind, _ in dec.calls)
 
@@ -155,7 +163,7 @@ def test_graphed_dual_batch_keeps_solo_tokens(graphs):
                              "policy.decode.dual_batch=true", "policy.decode.batch_invariant=true",
                              "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "policy.kv.max_context=512"]))
     engine = build(s, s.hw, progress=False)
-    dec, launched = engine.parts["graphs"], []
+    dec, launched = engine.graphs, []
     launch = dec.launch
     dec.launch = lambda *a: launched.append(a[0]) or launch(*a)  # noqa: E731 - counted
     v = engine.model.args.vocab_size
@@ -179,7 +187,7 @@ def test_dual_without_its_graphs_gives_each_micro_batch_its_logits():
                              "model.dtype=float32", "policy.decode.cuda_graphs=hostfn", "policy.decode.dual_batch=true",
                              "policy.kv.max_batch=2", "policy.decode.batch_cap=2", "policy.kv.max_context=512"]))
     engine = build(s, s.hw, progress=False)
-    dec, dev = engine.parts["graphs"], engine.device
+    dec, dev = engine.graphs, engine.device
     parts = [(torch.tensor([[t]], device=dev), torch.tensor([[3]], device=dev), torch.tensor([slot], device=dev), 4)
              for t, slot in ((5, 0), (7, 1))]
     with torch.cuda.stream(engine.stream):
@@ -195,22 +203,25 @@ STAGGER = Plan(max_batch=3, max_context=96, batch_cap=3, prefill_chunk_tokens=8,
 
 
 class _StaggeredDecoder(_DualDecoder):
-    """A decoder with prepare/launch/collect (as graphed hostfn decode has): a launch computes the step eagerly into
-    its lane's one logits buffer (as a graph's static output) and is pending until collected. It fails the test if
-    a lane is launched again before it was collected, or if anything else runs the model meanwhile (a prefill: the
+    """A decoder that staggers (as graphed hostfn decode does): a launch computes the step eagerly into its lane's
+    one logits buffer (as a graph's static output) and is pending until collected. It fails the test if a lane is
+    launched again before it was collected, or (`guard`) if anything else runs the model meanwhile (a prefill: the
     layers' ops would be called while a launched step holds them)."""
+    staggers = True
 
-    def __init__(self, engine: Engine, ready_after: int = 0):
-        super().__init__(engine)
+    def __init__(self, eager: Decoder, ready_after: int = 0):
+        super().__init__(eager)
         self.pending: dict[int, torch.Tensor] = {}
         self.buffers: dict[int, torch.Tensor] = {}
         self.ready_after = ready_after  # prepare says "not captured" this many times first
-        forward = engine._forward
+
+    def guard(self, runner: ModelRunner) -> None:
+        forward = runner.forward
 
         def guarded(*a, **k):
             assert not self.pending, "a prefill ran while a micro-batch step was launched"
             return forward(*a, **k)
-        engine._forward = guarded
+        runner.forward = guarded
 
     def __call__(self, *part, capture=True):
         assert not self.pending, "a single step ran while a micro-batch step was launched"
@@ -230,13 +241,19 @@ class _StaggeredDecoder(_DualDecoder):
     def launch(self, i, part):
         assert i not in self.pending, f"lane {i} launched again before it was collected"
         self.calls.append(("launch", i, part[0].shape[0]))
-        self.buffers[i] = logits = self.engine._eager_decode(*part)
+        self.buffers[i] = logits = self.eager(*part)
         self.pending[i] = logits
         return i
 
     def collect(self, i):
         self.calls.append(("collect", i))
         return self.pending.pop(i)
+
+
+def _staggered(model, ready_after: int = 0, **kw) -> tuple[Engine, _StaggeredDecoder]:
+    engine, dec = _with(model, STAGGER, lambda eager: _StaggeredDecoder(eager, ready_after), **kw)
+    dec.guard(engine.runner)
+    return engine, dec
 
 
 def _stepwise(engine: Engine, arrivals: dict, aborts: dict | None = None) -> dict:
@@ -249,8 +266,7 @@ def test_staggered_micro_batches_keep_solo_tokens_and_run_half_a_step_apart(tiny
     the set changes; in between, each step launches the other micro-batch, collects the one ahead, launches its
     next step and only then collects the other."""
     v = tiny_model.args.vocab_size
-    engine = Engine(tiny_model, STAGGER)
-    dec = engine._decode = _StaggeredDecoder(engine)
+    engine, dec = _staggered(tiny_model)
     arrivals = {0: [(_prompt(9, 1, v), _greedy(24)), (_prompt(6, 7, v), _greedy(30))],
                 4: [(_prompt(14, 2, v), _greedy(9))], 9: [(_prompt(5, 3, v), _greedy(14))]}
     _check_solo(tiny_model, _stepwise(engine, arrivals), PLAN)
@@ -264,8 +280,7 @@ def test_staggered_micro_batches_keep_solo_tokens_and_run_half_a_step_apart(tiny
 
 def test_staggered_abort_of_a_request_launched_ahead(tiny_model):
     v = tiny_model.args.vocab_size
-    engine = Engine(tiny_model, STAGGER)
-    engine._decode = _StaggeredDecoder(engine)
+    engine, _ = _staggered(tiny_model)
     arrivals = {0: [(_prompt(9, 1, v), _greedy(30)), (_prompt(6, 7, v), _greedy(30))]}
     got = _stepwise(engine, arrivals, aborts={8: [0]})
     (p0, s0, t0, r0), (p1, s1, t1, r1) = got[0], got[1]
@@ -277,8 +292,7 @@ def test_staggered_abort_of_a_request_launched_ahead(tiny_model):
 def test_staggered_waits_for_graphs_not_captured_yet(tiny_model):
     """prepare saying "not captured" (no capture allowed) makes the step run the usual way (dual), tokens the same."""
     v = tiny_model.args.vocab_size
-    engine = Engine(tiny_model, STAGGER)
-    dec = engine._decode = _StaggeredDecoder(engine, ready_after=3)
+    engine, dec = _staggered(tiny_model, ready_after=3)
     arrivals = {0: [(_prompt(9, 1, v), _greedy(12)), (_prompt(6, 7, v), _greedy(12))]}
     _check_solo(tiny_model, _stepwise(engine, arrivals), PLAN)
     assert any(c[0] == "dual" for c in dec.calls) and any(c[0] == "launch" for c in dec.calls)
@@ -313,8 +327,7 @@ def test_collected_between_steps_the_tokens_go_out_with_the_next_step(tiny_model
     """engine.prefill (a probe) and close() between steps collect the step running ahead first (the layers' ops are
     then free); those requests' tokens are reported by the next step, still one per request per step."""
     v = tiny_model.args.vocab_size
-    engine = Engine(tiny_model, STAGGER)
-    dec = engine._decode = _StaggeredDecoder(engine)
+    engine, dec = _staggered(tiny_model)
     prompts = [(_prompt(9, 1, v), _greedy(12)), (_prompt(6, 7, v), _greedy(5))]
     got = {engine.add_request(p, s): [p, s, [], None] for p, s in prompts}
     step, between = 0, []
@@ -325,9 +338,9 @@ def test_collected_between_steps_the_tokens_go_out_with_the_next_step(tiny_model
             if out.finished:
                 got[out.id][3] = out.finish_reason
         step += 1
-        if engine._ahead is not None and step >= 3 and len(between) < 2:  # something else needs the model now
+        if engine.runner.ahead is not None and step >= 3 and len(between) < 2:  # something else needs the model
             engine.close() if between else engine.prefill(_prompt(5, 9, v), slot=2)
-            assert not dec.pending and engine._ahead is None
+            assert not dec.pending and engine.runner.ahead is None
             between.append(step)
     assert len(between) == 2, "no step ran ahead to collect"
     for p, s, tokens, reason in got.values():
@@ -339,15 +352,14 @@ def test_after_prefill_waits_until_no_step_runs_ahead(tiny_model):
     it: put off to the start of the next step, after that step is collected."""
     v = tiny_model.args.vocab_size
     seen = []
-    engine = Engine(tiny_model, STAGGER, after_prefill=lambda: seen.append(bool(dec.pending)))
-    dec = engine._decode = _StaggeredDecoder(engine)
+    engine, dec = _staggered(tiny_model, after_prefill=lambda: seen.append(bool(dec.pending)))
     for p, s in [(_prompt(9, 1, v), _greedy(20)), (_prompt(6, 7, v), _greedy(20))]:
         engine.add_request(p, s)
-    while engine._ahead is None:
+    while engine.runner.ahead is None:
         engine.step()
     seen.clear()
-    engine._refresh()  # as a prefill beside decode that ends after the step launched ahead
-    assert seen == [] and engine._refresh_due
+    engine.runner.refresh()  # as a prefill beside decode that ends after the step launched ahead
+    assert seen == [] and engine.runner.refresh_due
     engine.step()
-    assert seen == [False] and not engine._refresh_due
+    assert seen == [False] and not engine.runner.refresh_due
     assert all(not pending for pending in seen)
