@@ -64,6 +64,12 @@ def test_bad_input_gets_one_clear_line(runs, tmp_path):
         "error: unknown config key policy.kv.max_contxt (known: max_batch, max_context)"]
     p = hybrid("policy.max_context=128", tmp_path=runs)  # a flat key of before: its path now
     assert p.returncode == 2 and "now policy.kv.max_context" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    p = hybrid("mode=bench", "bench=decode", "bench.ms=[1]", tmp_path=runs)  # a key of bench=kernels
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "error: unknown config key bench.ms: bench=decode takes name, contexts, steps, batch, roof_gb, graph_modes"]
+    p = hybrid("mode=bench", "bench=concurrency", "bench.sweep={prefill.beside_sm:[0,16]}", tmp_path=runs)
+    assert p.returncode == 2 and "prefill.beside_sm is not a policy key (did you mean prefill.beside_sms" in p.stderr
+    assert "Traceback" not in p.stderr
 
 
 def test_kernel_bench_writes_its_records_and_a_plot(runs):

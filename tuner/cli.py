@@ -28,7 +28,7 @@ def _task(cfg: DictConfig) -> None:
 
 def main() -> None:
     register()
-    unknown = unknown_override(sys.argv[1:], TuneConfig)
+    unknown = unknown_override(sys.argv[1:], TuneConfig, config="tune")
     if unknown:
         print(f"error: {unknown}", file=sys.stderr)
         sys.exit(2)

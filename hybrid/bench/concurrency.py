@@ -14,31 +14,26 @@ tpot_mean_ratio: under a duty cycle only the mean counts the steps beside the wo
 come); the prompt's TTFT against the solo TTFT;
 decode tokens/s against the bound measured in the same run — the routed-expert bytes a step of n reads ÷ the read
 roof, and while a prompt streams through the GPU, ÷ the roof less the stream's copy rate (min(cap, pinned H2D
-rate)): the stream reads the same DRAM. `bench.stream_duties` repeats 1P+1D with the prompt beside decode at each
-duty cycle (the trade-off curve: duty → TPOT ratio, TTFT; plotted beside the JSON), `bench.stream_caps` at each
-cap; `bench.beside_cores` and
-`bench.attention_chunks`, `bench.stream_queues`, `bench.mapped_outputs`, `bench.beside_sms`, `bench.cores_back`
-likewise at each policy.prefill.beside_cores, attention_chunk_tokens, stream_queue_mb, policy.decode.mapped_outputs,
-policy.prefill.beside_sms and cores_back_in_rests; given together, at every combination (one rebuild each, a curve
-per setting of the others in the plot).
-`bench.dual_batch` repeats the nD scenarios (n >= 2) with policy.decode.dual_batch flipped, side by side in one
+rate)): the stream reads the same DRAM.
+`bench.sweep` ({policy key: values}, e.g. {prefill.stream_duty: [1, 0.75, 0.5]}) repeats the scenarios on the engine
+replanned at every combination, each record tagged with its point; the plot draws the trade-off of the 1P+nD scenario
+(TPOT ratio, TTFT) along the first key that took two values, a curve per setting of the others.
+`bench.dual_batch` repeats the nD scenarios (n >= 2) with policy.decode.dual_batch off and on, side by side in one
 run: with the overlap, a step is bounded by max(the CPU's expert bytes ÷ the roof, the GPU's time per step), the
 GPU's time taken from the run without overlap as its step time less the CPU experts' time (the graphs' native jobs
 clock them: GPU runs only).
 """
 from __future__ import annotations
 
-import itertools
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Optional
 
-from hybrid.bench import bounds
+from hybrid.bench import bounds, sweep
 from hybrid.bench.records import Record, Records
-from hybrid.config.schema import scenario_counts
+from hybrid.config.bench import label, points, scenario_counts
 from hybrid.errors import ConfigError
 
 
@@ -232,14 +227,13 @@ def check(b, scenarios: list[Scenario], batch_cap: int, max_batch: int, max_cont
 
 
 def measure(engine, s) -> Records:
-    from hybrid.bench.slo import bytes_per_decode_step, synthetic_prompts
+    """The scenarios on the engine as built, or at each point of bench.sweep on the engine replanned for it."""
+    from hybrid.bench.slo import synthetic_prompts
 
     b = s.bench
     scenarios = [parse_scenario(n) for n in b.scenarios]
     streams = engine.device.type == "cuda" and engine.placed.loader is not None
     most = max((sc.decodes for sc in scenarios), default=0)
-    check(b, scenarios, engine.plan.batch_cap, engine.plan.max_batch, engine.plan.max_context)
-    streamed = streams and engine.plan.slp_cutoff_tokens < b.long_prompt_tokens
     a = engine.model.args
     d_prompts = synthetic_prompts(a, max(most, 1), b.prompt_tokens, s.seed)
     p_prompt = synthetic_prompts(a, 1, b.long_prompt_tokens, s.seed + 1)[0]
@@ -255,6 +249,24 @@ def measure(engine, s) -> Records:
 
         h2d = h2d_rate()
         records.append(Record("h2d_pinned", h2d, "GB/s"))
+    plan = engine.plan.params()  # the policy's (a sweep replans the engine)
+    for point in points(b.sweep):
+        if point:
+            print(f"bench=concurrency at {label(point)}", file=sys.stderr)
+            engine = sweep.replanned(engine, s, point)
+        engine, recs = _at_point(engine, s, point, scenarios, streams, d_prompts, p_prompt, roof, h2d)
+        records += recs
+    return Records(records, {"plan": plan})
+
+
+def _at_point(engine, s, point: dict, scenarios: list[Scenario], streams: bool, d_prompts, p_prompt, roof: float,
+              h2d: float) -> tuple[object, list[Record]]:
+    """The scenarios on the engine as it is, then bench.dual_batch's comparison (which replans it): the engine
+    left and the records, each tagged with the sweep's point."""
+    from hybrid.bench.slo import bytes_per_decode_step
+
+    b = s.bench
+    check(b, scenarios, engine.plan.batch_cap, engine.plan.max_batch, engine.plan.max_context)
     how = ("chunked on the CPU path" if not streams or engine.plan.slp_cutoff_tokens >= b.long_prompt_tokens
            else "stream-loaded beside decode" if engine.plan.prefill_beside_decode else "stream-loaded, decode held")
     print(f"bench=concurrency: the {b.long_prompt_tokens}-token prompt is {how}", file=sys.stderr)
@@ -262,153 +274,81 @@ def measure(engine, s) -> Records:
         _run_scenario(engine, Scenario(f"{n}D", 0, n), d_prompts, p_prompt, 4)
     if any(sc.prompts for sc in scenarios):  # and the long prompt's path (ring, kernels for its row counts)
         _run_scenario(engine, Scenario("1P", 1, 0), d_prompts, p_prompt, 0)
-    plan = engine.plan.params()  # the scenarios' (the caps below rebuild the engine)
     results: dict[str, dict] = {}
+    records = []
     for sc in scenarios:
         results[sc.name] = _run_scenario(engine, sc, d_prompts, p_prompt, b.new_tokens)
         records += _records(engine, sc, results, roof, h2d, b.long_prompt_tokens, bytes_per_decode_step)
         _say(sc, results[sc.name])
-    grid = _grid(b)
-    if grid and not streamed:
-        swept = ", bench.".join(key for _, _, key, _ in SWEEPS if getattr(b, key))
-        print(f"bench=concurrency: the long prompt is not stream-loaded here (that needs a GPU and a prompt over "
-              f"policy.prefill.slp_cutoff_tokens): bench.{swept} skipped", file=sys.stderr)
-        grid = []
-    for point in grid:
-        engine, recs = _again(engine, s, point, d_prompts, p_prompt, results, roof, h2d)
-        records += recs
     if b.dual_batch:
-        records += _dual_batch(engine, s, [sc for sc in scenarios if not sc.prompts and sc.decodes >= 2], results,
-                               d_prompts, roof, bytes_per_decode_step)
-    return Records(records, {"plan": plan})
+        engine, dual = _dual_batch(engine, s, point, [sc for sc in scenarios if not sc.prompts and sc.decodes >= 2],
+                                   d_prompts, roof, bytes_per_decode_step)
+        records += dual
+    for r in records:
+        r.extra.update(point)
+    return engine, records
 
 
-# the sweeps of 1P+1D beside decode: label, policy knob (policy.prefill's unless named group.knob), bench key, and the
-# plot's axis for it
-SWEEPS = (("duty", "stream_duty", "stream_duties", "prefill's share of the time while decoding"),
-          ("cap", "stream_cap_gbps", "stream_caps", "stream cap while decoding (GB/s)"),
-          ("cores", "beside_cores", "beside_cores", "CPU cores left to the prefill"),
-          ("chunks", "attention_chunk_tokens", "attention_chunks", "prefill attention query chunk (tokens)"),
-          ("queue", "stream_queue_mb", "stream_queues", "stream copies queued on the GPU (MB)"),
-          ("mapped", "decode.mapped_outputs", "mapped_outputs", "CPU experts' outputs read in place"),
-          ("sms", "beside_sms", "beside_sms", "SMs left to decode (the prefill in a green context)"),
-          ("back", "cores_back_in_rests", "cores_back", "decode takes the prefill's cores in its rests"))
-
-
-def _grid(b) -> list[dict]:
-    """Every combination of the sweeps' values (a sweep left empty keeps the policy's value): [{knob: value}]."""
-    swept = [(knob, list(getattr(b, key))) for _, knob, key, _ in SWEEPS if getattr(b, key)]
-    if not swept:
-        return []
-    return [dict(zip([k for k, _ in swept], values)) for values in itertools.product(*[v for _, v in swept])]
-
-
-def _policy_value(knob: str, v):
-    """A sweep's value as the policy takes it: a stream cap of 0 and a duty of 1 are none."""
-    if knob == "stream_cap_gbps":
-        return v or None
-    if knob == "stream_duty":
-        return None if v == 1 else v
-    return v
-
-
-def _again(engine, s, point: dict, d_prompts, p_prompt, results: dict, roof: float, h2d: float):
-    """1P+1D once more, the prompt beside decode with policy.prefill.<knob> = value for each of `point` (the rest
-    of the policy as the run's; a stream cap of 0 is none): the rebuilt engine and the scenario's records, each
-    tagged with the point's knobs."""
-    from hybrid.bench.slo import bytes_per_decode_step
-    from hybrid.engine.build import rebuild
-
-    groups: dict = {"prefill": {"beside_decode": True}}
-    for knob, v in point.items():
-        group, _, name = knob.rpartition(".")
-        groups.setdefault(group or "prefill", {})[name] = _policy_value(knob, v)
-    p = replace(s.policy, **{g: replace(getattr(s.policy, g), **kv) for g, kv in groups.items()})
-    engine = rebuild(engine, replace(s, policy=p), s.hw)
-    label = " ".join(f"{name} {'none' if _policy_value(knob, point[knob]) is None else point[knob]}"
-                     for name, knob, _, _ in SWEEPS if knob in point)
-    sc = Scenario(f"1P+1D {label}", 1, 1)
-    results[sc.name] = r = _run_scenario(engine, sc, d_prompts, p_prompt, s.bench.new_tokens)
-    recs = _records(engine, sc, results, roof, h2d, s.bench.long_prompt_tokens, bytes_per_decode_step)
-    for rec in recs:
-        rec.extra.update(point)
-    _say(sc, r)
-    return engine, recs
-
-
-def _dual_batch(engine, s, scenarios: list[Scenario], results: dict, d_prompts, roof: float, step_bytes) -> list:
-    """The nD scenarios again without and with policy.decode.dual_batch (at each of bench.dual_staggers: half a
-    step apart or in lockstep; none: the policy's), in turn, bench.dual_rounds times (the host's bandwidth drifts:
-    rounds alternate the ways), at each of bench.cpu_joins (none: the policy's): decode tok/s of each way side by
-    side (median over rounds; `vs_no_overlap` the median of each round's ratio), against the overlap's bound
-    max(expert bytes ÷ roof, GPU time per step) and the serial bound; and how much of each step the CPU waited
-    (`cpu_idle_s`: no CPU-expert call pending)."""
-    from hybrid.engine.build import rebuild
-
+def _dual_batch(engine, s, point: dict, scenarios: list[Scenario], d_prompts, roof: float,
+                step_bytes) -> tuple[object, list[Record]]:
+    """The nD scenarios again without and with policy.decode.dual_batch (the rest of the policy at the sweep's
+    point), in turn, bench.dual_rounds times (the host's bandwidth drifts: rounds alternate the ways): decode tok/s
+    of each way side by side (median over rounds; `vs_no_overlap` the median of each round's ratio), against the
+    overlap's bound max(expert bytes ÷ roof, GPU time per step) and the serial bound; and how much of each step the
+    CPU waited (`cpu_idle_s`: no CPU-expert call pending). The engine left, and the records."""
     if not scenarios:
         print("bench=concurrency: bench.dual_batch needs an nD scenario with n >= 2", file=sys.stderr)
-        return []
+        return engine, []
     b = s.bench
-    joins = list(b.cpu_joins) or [s.policy.decode.cpu_join]
-    ways = [(False, s.policy.decode.dual_stagger)] + [(True, st) for st in
-                                                        (list(b.dual_staggers) or [s.policy.decode.dual_stagger])]
-    runs: dict = {}  # (join, way, scenario) -> per round, the scenario's results
-    labels: dict = {}  # join or way -> how it resolved, for the records and the log
-    staggered: dict = {}  # way -> whether the plan ran it half a step apart (only under hostfn graphs)
+    runs: dict = {}  # (dual, scenario) -> per round, the scenario's results
+    way: dict = {}  # dual -> how it ran, for the records and the log
+    staggered: dict = {}  # dual -> whether the plan ran it half a step apart (only under hostfn graphs)
     for _ in range(b.dual_rounds):
-        for join in joins:
-            for way in ways:
-                dual, stagger = way
-                p = replace(s.policy, decode=replace(s.policy.decode, dual_batch=dual, dual_stagger=stagger,
-                                                     cpu_join=join))
-                engine = rebuild(engine, replace(s, policy=p), s.hw)
-                for n in sorted({sc.decodes for sc in scenarios}):  # warm-up: the micro-batches' graphs
-                    _run_scenario(engine, Scenario(f"{n}D", 0, n), d_prompts, None, 4)
-                labels[join] = join or engine.plan.cpu_join  # null: what it resolved to
-                staggered[way] = dual and engine.plan.dual_stagger
-                labels[way] = ("without overlap" if not dual else "two micro-batches in turn"
-                               if engine.plan.cuda_graphs == "off" else "overlapped, half a step apart"
-                               if engine.plan.dual_stagger else "overlapped in lockstep")
-                for sc in scenarios:
-                    r = _run_scenario(engine, sc, d_prompts, None, b.new_tokens)
-                    runs.setdefault((join, way, sc.name), []).append(r)
-                    idle = f", CPU idle {r['cpu_idle_s'] * 1e3:.2f} ms a step" if "cpu_idle_s" in r else ""
-                    print(f"    {sc.name} {labels[way]} ({labels[join]} join): {r['before_tok_s']:.1f} tok/s{idle}",
-                          file=sys.stderr)
+        for dual in (False, True):
+            engine = sweep.replanned(engine, s, {**point, "decode.dual_batch": dual})
+            for n in sorted({sc.decodes for sc in scenarios}):  # warm-up: the micro-batches' graphs
+                _run_scenario(engine, Scenario(f"{n}D", 0, n), d_prompts, None, 4)
+            join = engine.plan.cpu_join  # the hand-off as resolved
+            staggered[dual] = dual and engine.plan.dual_stagger
+            way[dual] = ("without overlap" if not dual else "two micro-batches in turn"
+                         if engine.plan.cuda_graphs == "off" else "overlapped, half a step apart"
+                         if engine.plan.dual_stagger else "overlapped in lockstep")
+            for sc in scenarios:
+                r = _run_scenario(engine, sc, d_prompts, None, b.new_tokens)
+                runs.setdefault((dual, sc.name), []).append(r)
+                idle = f", CPU idle {r['cpu_idle_s'] * 1e3:.2f} ms a step" if "cpu_idle_s" in r else ""
+                print(f"    {sc.name} {way[dual]} ({join} join): {r['before_tok_s']:.1f} tok/s{idle}", file=sys.stderr)
     out = []
-    for join in joins:
-        for sc in scenarios:
-            serial = runs[(join, ways[0], sc.name)]
-            gpus = [r["gpu_s"] for r in serial if r.get("gpu_s") is not None]
-            gpu_step = statistics.median(gpus) if gpus else None
-            said = []
-            for way in ways:
-                rs = runs[(join, way, sc.name)]
-                dual = way[0]
-                ratios = [d["before_tok_s"] / o["before_tok_s"] for o, d in zip(serial, rs)]
-                tok_s = [r["before_tok_s"] for r in rs]
-                idle = [r["cpu_idle_s"] for r in rs if "cpu_idle_s" in r]
-                tok = Record("decode_tok_s", statistics.median(tok_s), "tok/s", m=sc.decodes,
-                             extra={"scenario": sc.name, "dual_batch": dual, "dual_stagger": staggered[way],
-                                    "way": labels[way], "cpu_join": labels[join], "rounds": len(rs),
-                                    "tok_s_by_round": tok_s, "vs_no_overlap": statistics.median(ratios)})
-                if idle:
-                    tok.extra["cpu_idle_s"] = statistics.median(idle)
-                if roof:
-                    cpu_step = step_bytes(engine, sc.decodes) / (roof * 1e9)
-                    tok.extra["cpu_experts_step_s"] = cpu_step
-                    if gpu_step is not None:
-                        tok.extra["gpu_step_s"] = gpu_step
-                    # with the overlap, the slower side; without, both in turn
-                    step = max(cpu_step, gpu_step or 0) if dual else cpu_step + (gpu_step or 0)
-                    tok.bound = sc.decodes / step
-                out.append(tok)
-                said.append(f"{labels[way]} {tok.value:.1f} tok/s"
-                            + (f" ({tok.extra['vs_no_overlap']:.3f}x)" if dual else "")
-                            + (f", CPU idle {tok.extra['cpu_idle_s'] * 1e3:.2f} ms a step" if idle else ""))
-            print(f"  {sc.name} (CPU experts joined by {labels[join]}; medians of {b.dual_rounds} rounds): "
-                  + "; ".join(said), file=sys.stderr)
-    return out
+    for sc in scenarios:
+        serial = runs[(False, sc.name)]
+        gpus = [r["gpu_s"] for r in serial if r.get("gpu_s") is not None]
+        gpu_step = statistics.median(gpus) if gpus else None
+        said = []
+        for dual in (False, True):
+            rs = runs[(dual, sc.name)]
+            ratios = [d["before_tok_s"] / o["before_tok_s"] for o, d in zip(serial, rs)]
+            tok_s = [r["before_tok_s"] for r in rs]
+            idle = [r["cpu_idle_s"] for r in rs if "cpu_idle_s" in r]
+            tok = Record("decode_tok_s", statistics.median(tok_s), "tok/s", m=sc.decodes,
+                         extra={"scenario": sc.name, "dual_batch": dual, "dual_stagger": staggered[dual],
+                                "way": way[dual], "cpu_join": join, "rounds": len(rs), "tok_s_by_round": tok_s,
+                                "vs_no_overlap": statistics.median(ratios)})
+            if idle:
+                tok.extra["cpu_idle_s"] = statistics.median(idle)
+            if roof:
+                cpu_step = step_bytes(engine, sc.decodes) / (roof * 1e9)
+                tok.extra["cpu_experts_step_s"] = cpu_step
+                if gpu_step is not None:
+                    tok.extra["gpu_step_s"] = gpu_step
+                # with the overlap, the slower side; without, both in turn
+                step = max(cpu_step, gpu_step or 0) if dual else cpu_step + (gpu_step or 0)
+                tok.bound = sc.decodes / step
+            out.append(tok)
+            said.append(f"{way[dual]} {tok.value:.1f} tok/s" + (f" ({tok.extra['vs_no_overlap']:.3f}x)" if dual else "")
+                        + (f", CPU idle {tok.extra['cpu_idle_s'] * 1e3:.2f} ms a step" if idle else ""))
+        print(f"  {sc.name} (CPU experts joined by {join}; medians of {b.dual_rounds} rounds): " + "; ".join(said),
+              file=sys.stderr)
+    return engine, out
 
 
 def _records(engine, sc: Scenario, results: dict, roof: float, h2d: float, prompt_tokens: int,
@@ -486,101 +426,9 @@ def _say(sc: Scenario, r: dict) -> None:
 def run(s) -> Records:
     from hybrid.engine.build import build
 
-    p = s.policy
-    check(s.bench, [parse_scenario(name) for name in s.bench.scenarios], p.decode.batch_cap, p.kv.max_batch,
-          p.kv.max_context)
+    scenarios = [parse_scenario(name) for name in s.bench.scenarios]
+    sweep.check(s.bench.sweep)
+    for point in points(s.bench.sweep):  # each point's slots and context, before the model is built
+        p = sweep.at(s, point).policy
+        check(s.bench, scenarios, p.decode.batch_cap, p.kv.max_batch, p.kv.max_context)
     return measure(build(s, s.hw, progress=False), s)
-
-
-def plot(records: list[Record], png: Path) -> Optional[Path]:
-    """The trade-off curves of the 1P+1D sweeps: the first swept knob (in SWEEPS' order) that took two or more
-    values -> the decode's TPOT ratio and the prompt's TTFT, a curve per setting of the other sweeps; each run a
-    point, the curve through the medians of a setting's repeats. And bench.dual_batch's nD runs: tok/s by way of
-    decoding (no overlap, lockstep, half a step apart) against each one's bound, every round a dot."""
-    runs = [r for r in records if r.name in ("tpot_ratio", "tpot_mean_ratio", "ttft_s")
-            and any(k in r.extra for _, k, _, _ in SWEEPS)]
-    values = {k: {r.extra[k] for r in runs if k in r.extra} for _, k, _, _ in SWEEPS}
-    axis = next((sw for sw in SWEEPS if len(values[sw[1]]) > 1), None) or next(
-        (sw for sw in SWEEPS if values[sw[1]]), None)
-    dual = [r for r in records if r.name == "decode_tok_s" and "way" in r.extra]
-    if axis is None and not dual:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = (2 if axis else 0) + (1 if dual else 0)
-    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
-    if axis:
-        _sweep_panels(axes[0][0], axes[0][1], runs, values, axis)
-    if dual:
-        _dual_panel(axes[0][-1], dual)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return png
-
-
-def _dual_panel(ax, recs: list[Record]) -> None:
-    """Grouped bars: per nD scenario, each way's median tok/s, its rounds as dots, its bound as a dash."""
-    scenarios = sorted({r.extra["scenario"] for r in recs}, key=lambda n: parse_scenario(n).decodes)
-    ways = list(dict.fromkeys(r.extra["way"] for r in recs))
-    width = 0.8 / len(ways)
-    for j, way in enumerate(ways):
-        for i, sc in enumerate(scenarios):
-            r = next((r for r in recs if r.extra["scenario"] == sc and r.extra["way"] == way), None)
-            if r is None:
-                continue
-            x = i + (j - (len(ways) - 1) / 2) * width
-            ax.bar(x, r.value, width * 0.9, color=f"C{j}", label=way if i == 0 else None)
-            rounds = r.extra.get("tok_s_by_round", [])
-            ax.scatter([x] * len(rounds), rounds, color="black", s=8, zorder=3)
-            if r.bound:
-                ax.hlines(r.bound, x - width * 0.45, x + width * 0.45, color="gray", linestyle="--")
-    ax.set_xticks(range(len(scenarios)), scenarios)
-    ax.set(ylabel="decode tok/s (dash: bound, dots: rounds)", title="nD: dual-batch overlap")
-    ax.legend(fontsize=8)
-
-
-def _sweep_panels(ax, ax2, runs: list[Record], values: dict, axis) -> None:
-    """The 1P+1D sweep's two panels: the decode's TPOT ratio and the prompt's TTFT by the swept knob."""
-    _, knob, _, xlabel = axis
-    points: dict = {}  # other settings -> x -> metric -> [values]
-    for r in runs:
-        if knob in r.extra:
-            other = tuple((name, r.extra[k]) for name, k, _, _ in SWEEPS if k != knob and k in r.extra)
-            points.setdefault(other, {}).setdefault(r.extra[knob], {}).setdefault(r.name, []).append(r.value)
-    import matplotlib.ticker
-
-    cap = knob == "stream_cap_gbps"  # 0 is none: drawn last
-    order = lambda v: (float("inf") if cap and not v else float(v))  # noqa: E731
-    xs = sorted(values[knob], key=order)
-    at = {v: i for i, v in enumerate(xs)}
-    for i, (other, pts) in enumerate(sorted(points.items(), key=lambda kv: str(kv[0]))):
-        name = ", ".join(f"{n} {v}" for n, v in other) or "the policy's"
-        for a, metric, marker, style in ((ax, "tpot_ratio", "o", "-"), (ax, "tpot_mean_ratio", "^", ":"),
-                                         (ax2, "ttft_s", "s", "-")):
-            line = [(at[v], statistics.median(m[metric])) for v, m in sorted(pts.items(), key=lambda kv: order(
-                kv[0])) if metric in m]
-            if line:
-                a.plot(*zip(*line), marker=marker, linestyle=style, color=f"C{i}",
-                       label=f"{name} (mean step)" if metric == "tpot_mean_ratio" else name)
-            dots = [(at[v], y) for v, m in pts.items() for y in m.get(metric, [])]
-            if len(dots) > len(line):  # repeats: every run shown
-                a.scatter(*zip(*dots), color=f"C{i}", alpha=0.35, s=14)
-    ax.axhline(1.15, linestyle="--", color="gray", alpha=0.6, label="1.15x")
-    # log: an uncapped stream can hold decode 20x, a capped one 1.1-1.3x; both readable on one axis
-    ax.set_yscale("log")
-    lo, hi = ax.get_ylim()
-    fmt = "%.3f" if hi / lo < 1.2 else "%.2f"  # a narrow range's ticks a hundredth apart would read alike
-    for axis_ticks in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
-        axis_ticks(matplotlib.ticker.FormatStrFormatter(fmt))
-    for a in (ax, ax2):
-        a.set_xticks(range(len(xs)), ["none" if cap and not v else f"{v:g}" if isinstance(v, float) else str(v)
-                                      for v in xs])
-        a.set_xlabel(xlabel)
-        a.legend(fontsize=8)
-    ax.set(ylabel="decode TPOT during ÷ before (log; median step, dotted: mean)",
-           title="1P+1D: decode beside the prefill")
-    ax2.set(ylabel="TTFT (s)", title="1P+1D: the long prompt's TTFT")

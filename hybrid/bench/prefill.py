@@ -1,5 +1,6 @@
 """`mode=bench bench=prefill`: stream-loading prefill (SLP) against its bound, the CPU path beside it (on two GPUs,
-policy.prefill.gpus=2: hybrid/bench/prefill_dual.py).
+policy.prefill.gpus=2: hybrid/bench/prefill_dual.py); `bench.sweep` ({policy key: values}, e.g.
+{prefill.ring_len: [8, 32]}) times the longest prompt again on the engine replanned at every combination.
 
 Bound per prompt: max(routed-expert bytes ÷ pinned host-to-device rate, the prefill's matmul FLOPs ÷ GPU BF16 matmul
 rate), both rates measured in this run. SLP moves every expert of every MoE layer once per prompt. Beside it, not
@@ -15,11 +16,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hybrid.bench import bounds, timeline
+from hybrid.bench import bounds, sweep, timeline
 from hybrid.bench.decode import FULL_MOE_LAYERS
 from hybrid.bench.gpu_profile import gpu_times
 from hybrid.bench.records import Record, Records
 from hybrid.bench.timing import cuda_seconds
+from hybrid.config.bench import label, points
 from hybrid.config.compose import RUNS_DIR
 from hybrid.engine.build import build, expert_gemm_shapes
 from hybrid.errors import ConfigError
@@ -70,6 +72,8 @@ def _cpu_only(engine, cfg) -> Records:
     if not lengths or max(lengths) > engine.plan.max_context:
         raise ConfigError(f"bench=prefill without a GPU times prompts up to bench.cpu_max_tokens="
                           f"{cfg.cpu_max_tokens} that fit policy.kv.max_context={engine.plan.max_context}")
+    if cfg.sweep:
+        print("bench=prefill: bench.sweep times stream-loading, which needs a GPU: not run", file=sys.stderr)
     _ttft(engine, min(lengths), streamed=False)  # warm-up
     for n in lengths:
         t = _ttft(engine, n, streamed=False)
@@ -111,9 +115,14 @@ def run(settings) -> list[Record]:
     if s.policy.prefill.gpus == 2:  # one process per GPU: hybrid/bench/prefill_dual.py
         from hybrid.bench.prefill_dual import run as run_dual
 
+        if cfg.sweep:
+            raise ConfigError("bench.sweep: not with policy.prefill.gpus=2 (its ranks time both policy.prefill.ep "
+                              "modes at each prompt length)")
+
         return run_dual(s)
     for spec in cfg.fp8_tiles:  # before minutes of set-up
         fp8_linear.Tile.parse(spec)
+    sweep.check(cfg.sweep)
     engine = build(s, s.hw, progress=sys.stderr.isatty())
     if engine.device.type == "cpu" and s.policy.cpu.moe_backend == "native":
         return _cpu_only(engine, cfg)
@@ -149,13 +158,6 @@ def run(settings) -> list[Record]:
             tc = _ttft(engine, n, streamed=False)
             records.append(Record("cpu_path_ttft", tc, "s", None, n, extra={"tokens_per_s": n / tc}))
     longest = max(cfg.prompt_lengths)
-    for ring in cfg.ring_sweep:
-        t = _ttft(engine, longest, ring_len=ring)
-        records.append(Record("slp_ring_sweep", t, "s", None, longest, extra={"ring_len": ring}))
-    for group in cfg.group_sweep:  # experts computed together once on the device (policy.prefill.slp_group_experts)
-        loop = {}
-        t = _ttft(engine, longest, group=group, loop=loop)
-        records.append(Record("slp_group_sweep", t, "s", None, longest, extra={"slp_group_experts": group, **loop}))
     for how in fp8_linear.BACKENDS:  # the FP8 math on the streamed experts: FP8 GEMM, dequantise, by rows
         t = _ttft(engine, longest, gemm=engine.placed.gemm.with_(backend=how))
         records.append(Record("slp_fp8_gemm", t, "s", None, longest, extra={
@@ -179,7 +181,21 @@ def run(settings) -> list[Record]:
         Record("slp_h2d_busy_fraction", busy["h2d_s"] / t, "fraction", None, longest,
                extra={"h2d_s": busy["h2d_s"], "profiled_ttft_s": t}),
     ]
-    return Records(records, {"plan": engine.plan.params()})
+    plan = engine.plan.params()  # the policy's (the sweep replans the engine)
+    return Records(records + _sweep(engine, s, longest), {"plan": plan})
+
+
+def _sweep(engine, s, n: int) -> list[Record]:
+    """bench.sweep: an n-token prompt stream-loaded at each point, on the engine replanned for it (`slp_sweep`, the
+    point's knobs and the expert loops' times beside each)."""
+    out = []
+    for point in points(s.bench.sweep) if s.bench.sweep else []:
+        engine = sweep.replanned(engine, s, point)
+        loop: dict = {}
+        t = _ttft(engine, n, loop=loop)
+        print(f"  {label(point)}: TTFT {t:.3f} s", file=sys.stderr)
+        out.append(Record("slp_sweep", t, "s", None, n, extra={**point, **loop}))
+    return out
 
 
 def plot(records: list[Record], png) -> None:

@@ -7,6 +7,10 @@ rate)), the rates measured by each GPU in this run (the slower GPU's count). Per
 split into the token gather (SmallEP's all-gather, EP's dispatch), the experts (router, grouping, the streamed
 share), the exchange (partial sums; EP's results back), the shared experts, and the rest (attention with its latent
 gather, norms, dense layers) — one extra run with a device synchronisation at each phase's end.
+
+Each rank places the model as the engine's prefill peer does (hybrid/engine/build.py `peer_model`, from the plan
+`plan_for` resolves) and attaches its routed experts to the one shared copy the parent made (`shared_experts`); its
+ring is sized as the peer's (hybrid/parallel/peer.py `streaming`).
 """
 from __future__ import annotations
 
@@ -15,22 +19,19 @@ import time
 
 import torch
 
-from hybrid import models
 from hybrid.bench import bounds
 from hybrid.bench.decode import FULL_MOE_LAYERS
 from hybrid.bench.prefill import h2d_rate, matmul_rate
 from hybrid.bench.records import Record, Records
-from hybrid.engine.build import slot_bytes
-from hybrid.placement.memory import auto_ring_len, free_bytes, ring_budget
-from hybrid.placement.passes import experts_to_cpu_kernels, place
+from hybrid.engine.build import peer_model, plan_for, shared_experts
 from hybrid.errors import ConfigError
-from hybrid.kernels import fp8_linear
-from hybrid.kernels.dispatch import kernel_name
+from hybrid.models import args_of
 from hybrid.parallel.group import Dist, run_ranks
-from hybrid.parallel.prefill import Streaming, parallel_prefill
-from hybrid.parallel.shared import attach_experts, pin_shared, share_experts
+from hybrid.parallel.peer import Knobs, streaming
+from hybrid.parallel.prefill import parallel_prefill
+from hybrid.parallel.shared import attach_experts, pin_shared
 from hybrid.parallel.smallep import MODES, PhaseClock, shard
-from hybrid.prefill.slp import StreamLoader, group_size
+from hybrid.prefill.slp import StreamLoader
 
 GPUS = 2
 PHASES = ("gather", "experts", "exchange", "shared_experts")
@@ -46,43 +47,44 @@ def run(settings) -> Records:
                           "needs policy.cpu.moe_backend=native")
     if max(s.bench.prompt_lengths) > p.kv.max_context:
         raise ConfigError(f"bench.prompt_lengths reach {max(s.bench.prompt_lengths)}: raise policy.kv.max_context")
-    model, _ = models.load(s.model, progress=sys.stderr.isatty())
-    experts_to_cpu_kernels(model, kernel_name(p.cpu.kernel))
-    arenas = share_experts(model)  # the one copy both processes stream from
-    print(f"routed experts: {sum(a.numel() for a in arenas) / 1e9:.2f} GB in shared host memory", file=sys.stderr)
-    per_rank = run_ranks(_rank, GPUS, (s, arenas), device_type="cuda", threads=max(1, torch.get_num_threads() // 2))
-    return Records(_records(model.args, per_rank, s.bench.prompt_lengths),
+    plan = plan_for(s, s.hw)
+    arenas = shared_experts(s.model, plan, progress=sys.stderr.isatty())  # the one copy both processes stream from
+    threads = max(1, plan.cpu.threads // 2)  # the ranks share the CPU, as the engine and its peer do
+    per_rank = run_ranks(_rank, GPUS, (s, plan, threads, arenas), device_type="cuda", threads=threads)
+    return Records(_records(args_of(s.model), per_rank, s.bench.prompt_lengths),
                    {"gpus": GPUS, "ep_modes": list(MODES)})
 
 
-def _rank(d: Dist, s, arenas) -> dict:
-    """One GPU's process: the model placed on it, its experts attached to the shared arenas; its rates, then each
-    prompt length's time and phase split, in both modes."""
-    p = s.policy
-    model, _ = models.load(s.model, progress=False)
-    experts_to_cpu_kernels(model, kernel_name(p.cpu.kernel))
+def rank_model(device: torch.device, s, plan, threads: int, arenas: list) -> tuple[torch.nn.Module, StreamLoader]:
+    """A rank's model placed on its device as the engine's prefill peer is (peer_model), its routed experts
+    attached to the shared copy (page-locked in place for this process's copies on a GPU)."""
+    model, loader = peer_model(device, s.model, plan, threads)
     attach_experts(model, arenas)
-    pin_shared(arenas)
-    gemm = fp8_linear.Fp8Gemm(p.gpu.fp8_gemm, p.gpu.fp8_dequant_rows)
-    place(model, d.device, p.gpu.weights, gemm)
+    if device.type == "cuda":
+        pin_shared(arenas)
+    return model, loader
+
+
+def _rank(d: Dist, s, plan, threads: int, arenas: list) -> dict:
+    """One GPU's process: the model placed on it; its rates, then each prompt length's time and phase split, in
+    both modes."""
+    model, loader = rank_model(d.device, s, plan, threads, arenas)
     out = {"h2d": h2d_rate(), "matmul": matmul_rate(), "runs": []}
     cache = model.new_cache(1, max(s.bench.prompt_lengths), d.device)
-    loader = StreamLoader(gemm)
+    knobs = Knobs(ring_len=plan.prefill.ring_len or None, group=plan.prefill.slp_group_experts,
+                  budget_gb=plan.gpu.memory_budget_gb or None)
     for n in s.bench.prompt_lengths:
         for mode in MODES:
-            out["runs"].append(_measure(d, model, cache, loader, n, mode, p))
+            out["runs"].append(_measure(d, model, cache, loader, n, mode, knobs))
     return out
 
 
-def _measure(d: Dist, model, cache, loader: StreamLoader, n: int, mode: str, p) -> dict:
-    """TTFT of an n-token prompt (the second of two runs), then the phases of a third run."""
+def _measure(d: Dist, model, cache, loader: StreamLoader, n: int, mode: str, knobs: Knobs) -> dict:
+    """TTFT of an n-token prompt (the second of two runs), then the phases of a third run; the ring over this
+    rank's share of the experts, sized for all n tokens (SmallEP holds every rank's tokens in the MoE layers)."""
     a = model.args
     owned = len(shard(a.n_routed_experts, d.rank, d.world))
-    group = group_size(p.prefill.slp_group_experts, d.device, model.dtype)
-    # SmallEP holds every rank's tokens in the MoE layers: the activations of all n
-    budget = ring_budget(a, free_bytes(d.device, p.gpu.memory_budget_gb), loader.kept_ring_bytes(d.device), group, n)
-    ring_len = p.prefill.ring_len or auto_ring_len(owned, slot_bytes(model), budget)
-    streaming = Streaming(ring_len, budget, group, loader)
+    ring = streaming(model, d.device, loader, n, knobs, owned)
     prompt = torch.randint(2, a.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
 
     waiter = PhaseClock(d.device)  # for its device synchronisation only
@@ -91,7 +93,7 @@ def _measure(d: Dist, model, cache, loader: StreamLoader, n: int, mode: str, p) 
         d.barrier()
         waiter.sync()
         t0 = time.perf_counter()
-        logits = parallel_prefill(model, d, prompt, cache, 0, mode=mode, streaming=streaming, clock=clock)
+        logits = parallel_prefill(model, d, prompt, cache, 0, mode=mode, streaming=ring, clock=clock)
         logits.argmax().item()
         return time.perf_counter() - t0
 
@@ -99,7 +101,7 @@ def _measure(d: Dist, model, cache, loader: StreamLoader, n: int, mode: str, p) 
     ttft = once()
     clock = PhaseClock(d.device)
     split_total = once(clock)
-    return {"n": n, "mode": mode, "ttft_s": ttft, "ring_len": ring_len, "split_total_s": split_total,
+    return {"n": n, "mode": mode, "ttft_s": ttft, "ring_len": ring.ring_len, "split_total_s": split_total,
             "phases_s": dict(clock.seconds)}
 
 

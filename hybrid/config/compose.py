@@ -7,8 +7,10 @@ import typing
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from hybrid.config.bench import bench_config, keys_error
 from hybrid.config.schema import MOVED, HybridConfig, register
 from hybrid.errors import ConfigError
 
@@ -28,9 +30,11 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
 
 def to_settings(cfg: DictConfig) -> HybridConfig:
     """The composed config as validated dataclasses (runs every `__post_init__` check). Keys the schema does not
-    know (`+policy.typo=1` gets past Hydra) are refused rather than silently ignored."""
+    know (`+policy.typo=1` gets past Hydra) are refused rather than silently ignored; `bench` becomes its
+    benchmark's dataclass (hybrid/config/bench.py)."""
     settings = OmegaConf.to_object(cfg)
     _refuse_unknown(settings, "")
+    settings.bench = bench_config(settings.bench, settings.policy)
     return settings
 
 
@@ -42,16 +46,23 @@ def settings_of(cfg: DictConfig) -> HybridConfig:
         raise ConfigError(str(getattr(e, "msg", e)).splitlines()[0]) from e
 
 
-def unknown_override(overrides: Iterable[str], schema: type = HybridConfig) -> Optional[str]:
+def unknown_override(overrides: Iterable[str], schema: type = HybridConfig, config: str = "config") -> Optional[str]:
     """The first `key=value` override whose key the schema lacks, as one line (what a user sees instead of Hydra's
-    several), or None. Keys below a node the schema leaves open (dicts, lists) are Hydra's to check; `+key=...`
-    is refused after composition (to_settings), `~key` and Hydra's own options are left alone."""
+    several), or None. A `bench.KEY` is checked against the benchmark chosen (`bench=NAME`, else conf/<config>.yaml's
+    default). Keys below a node the schema leaves open (dicts, lists) are Hydra's to check; `+key=...` is refused
+    after composition (to_settings), `~key` and Hydra's own options are left alone."""
+    overrides = list(overrides)
     for o in overrides:
         key = o.split("=", 1)[0]
         if "=" not in o or key.startswith(("-", "+", "~", "hydra")) or "@" in key or "/" in key:
             continue
         node: object = schema
         parts = key.split(".")
+        if parts[0] == "bench" and len(parts) > 1:
+            error = keys_error(_choice("bench", overrides, config), parts[1:2])
+            if error:
+                return error
+            continue
         for i, part in enumerate(parts):
             if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
                 break
@@ -61,6 +72,23 @@ def unknown_override(overrides: Iterable[str], schema: type = HybridConfig) -> O
                 return _unknown(".".join(parts[:i + 1]), known)
             node = _unwrap(types[part])
     return None
+
+
+def _choice(group: str, overrides: Sequence[str], config: str) -> Optional[str]:
+    """The option of `group` a command line picks: its last `group=NAME`, else the config's defaults list's."""
+    picked = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == group]
+    return picked[-1] if picked else _default(group, config)
+
+
+def _default(group: str, config: str) -> Optional[str]:
+    """The option conf/<config>.yaml's defaults list picks for `group` (an `override` after what it includes)."""
+    choice = None
+    for entry in yaml.safe_load((CONF_DIR / f"{config}.yaml").read_text()).get("defaults", []):
+        if isinstance(entry, str) and (CONF_DIR / f"{entry}.yaml").exists():
+            choice = _default(group, entry) or choice
+        elif isinstance(entry, dict):
+            choice = next((v for k, v in entry.items() if k.removeprefix("override ") == group), choice)
+    return choice
 
 
 def _unwrap(t: object) -> object:

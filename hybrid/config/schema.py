@@ -5,7 +5,6 @@ runs the `__post_init__` checks, so every config error surfaces before anything 
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -249,95 +248,6 @@ MOVED = {"cpu_threads": "cpu.threads", "cpu_kernel": "cpu.kernel", "moe_backend"
          "gpu_fp8_dequant_rows": "gpu.fp8_dequant_rows", "gpu_experts_per_layer": "gpu.experts_per_layer"}
 
 
-def scenario_counts(name: str) -> tuple[int, int]:
-    """bench.scenarios' form: '2D', '1P', '1P+2D' -> (long prompts, decoding requests); anything else is a
-    ConfigError naming the form."""
-    m = re.fullmatch(r"(1P)?(?:(?(1)\+)([1-9]\d*)D)?", name.replace(" ", ""))
-    if not m or not any(m.groups()):
-        raise ConfigError(f"bench.scenarios: {name!r} is not nD, 1P or 1P+nD (n >= 1)")
-    return 1 if m.group(1) else 0, int(m.group(2) or 0)
-
-
-@dataclass
-class BenchConfig:
-    name: str = "kernels"
-    # kernels: DeepSeek-V3 expert shapes, token counts, the MoE layer
-    hidden: int = 7168
-    inter: int = 2048
-    experts: int = 256
-    top_k: int = 8
-    ms: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 32, 128, 512])
-    moe_tokens: List[int] = field(default_factory=lambda: [1, 2, 4])
-    cpu_kernels: List[str] = field(default_factory=list)  # variants timed side by side; empty: policy.cpu.kernel's
-    # (and avx512_bf16 beside it when that is amx)
-    moe_experts: int = 0  # experts in the benchmarked layer; 0 = `experts` (fewer if memory is short)
-    pool_gb: float = 0.0  # cold-weight pool and roof buffer; 0 = auto (1-4 GB by memory)
-    repeats: int = 5  # passes; the best counts
-    torch_peers: bool = True  # torch's BF16 / FP32 paths side by side
-    # slo: the SLO report card of the configured model (TTFT, TPOT, prefill and decode tokens/s)
-    prompt_tokens: int = 256  # synthetic prompt length, per sequence
-    new_tokens: int = 32  # tokens generated per sequence
-    batch: int = 1  # requests queued at once: prefilled, then decoded together
-    batches: List[int] = field(default_factory=list)  # slo: each of these batch sizes in one run (replaces batch)
-    concurrency: List[int] = field(default_factory=list)  # serve: the workload at each (empty: its own)
-    roof_gb: float = 0.5  # buffer of the memory read roof that bounds decode; 0 = no roof, no bound
-    # decode: TPOT and its per-layer split at these context lengths
-    contexts: List[int] = field(default_factory=lambda: [1024, 4096, 16384, 32768])
-    steps: int = 8  # decode steps timed per context
-    graph_modes: List[str] = field(default_factory=lambda: ["hostfn", "segments"])  # measured beside eager (GPU)
-    # prefill: TTFT by prompt length, stream-loading vs the CPU path, ring-length sweep
-    prompt_lengths: List[int] = field(default_factory=lambda: [128, 512, 2048, 8192, 16384])
-    ring_sweep: List[int] = field(default_factory=lambda: [2, 8, 32, 128])  # at the longest prompt
-    group_sweep: List[int] = field(default_factory=list)  # policy.prefill.slp_group_experts values timed at the longest
-    cpu_max_tokens: int = 2048  # the CPU path is timed up to this prompt length
-    fp8_tiles: List[str] = field(default_factory=list)  # Triton tiles for prefill-sized rows to time, e.g. 128x256x64/8/3
-    # gpu_gemm: the GPU ways through one expert's FP8 weights (fp8_tiles above; hidden, inter, repeats)
-    gemm_rows: List[int] = field(default_factory=lambda: [128, 256, 512, 1024, 2048, 4096, 8192])
-    trace: bool = False  # prefill: save the profiled run's timeline (Chrome trace, .trace.json.gz beside the results)
-    # concurrency: nD, 1P, 1P+nD through the scheduler (P: a long prompt, D: a decoding request)
-    scenarios: List[str] = field(default_factory=lambda: ["1D", "2D", "4D", "1P", "1P+1D", "1P+2D"])
-    long_prompt_tokens: int = 32768  # P's prompt
-    stream_caps: List[float] = field(default_factory=list)  # 1P+1D again at each policy.prefill.stream_cap_gbps (0: none)
-    stream_duties: List[float] = field(default_factory=list)  # ... at each policy.prefill.stream_duty (1: always)
-    dual_batch: bool = False  # concurrency: the nD scenarios (n >= 2) again without and with policy.decode.dual_batch
-    dual_rounds: int = 1  # ... both ways in turn this many times (medians reported)
-    cpu_joins: List[Optional[str]] = field(default_factory=list)  # ... at each policy.decode.cpu_join (none: policy's)
-    dual_staggers: List[bool] = field(default_factory=list)  # ... overlapped at each policy.decode.dual_stagger
-    beside_cores: List[int] = field(default_factory=list)  # 1P+1D again at each policy.prefill.beside_cores
-    attention_chunks: List[int] = field(default_factory=list)  # ... at each policy.prefill.attention_chunk_tokens
-    stream_queues: List[int] = field(default_factory=list)  # ... at each policy.prefill.stream_queue_mb
-    mapped_outputs: List[bool] = field(default_factory=list)  # ... at each policy.decode.mapped_outputs
-    beside_sms: List[int] = field(default_factory=list)  # ... at each policy.prefill.beside_sms
-    cores_back: List[bool] = field(default_factory=list)  # ... at each policy.prefill.cores_back_in_rests
-
-    def __post_init__(self) -> None:
-        if (min([*self.ms, *self.moe_tokens, *self.gemm_rows, *self.group_sweep, *self.batches], default=1) < 1
-                or self.repeats < 1):
-            raise ValueError("bench: token counts, group sizes and repeats must be >= 1")
-        for join in self.cpu_joins:
-            if join not in (None, *CPU_JOINS):
-                raise ValueError(f"bench.cpu_joins: each one of null, signal, host, got {join!r}")
-        for knob in ("prompt_tokens", "new_tokens", "batch", "long_prompt_tokens", "dual_rounds"):
-            if getattr(self, knob) < 1:
-                raise ValueError(f"bench.{knob} must be >= 1, got {getattr(self, knob)}")
-        if self.roof_gb < 0:
-            raise ValueError(f"bench.roof_gb must be >= 0, got {self.roof_gb}")
-        if set(self.cpu_kernels) - set(KERNELS):
-            raise ValueError(f"bench.cpu_kernels takes {', '.join(KERNELS)}, got {list(self.cpu_kernels)}")
-        if set(self.graph_modes) - {"hostfn", "segments"}:
-            raise ValueError(f"bench.graph_modes takes hostfn and/or segments, got {list(self.graph_modes)}")
-        if min(self.stream_caps, default=0) < 0:
-            raise ValueError(f"bench.stream_caps are GB/s >= 0 (0: no cap), got {list(self.stream_caps)}")
-        if any(not 0 < d <= 1 for d in self.stream_duties):
-            raise ValueError(f"bench.stream_duties are shares of the time in (0, 1] (1: always at work), "
-                             f"got {list(self.stream_duties)}")
-        for knob in ("beside_cores", "attention_chunks", "stream_queues", "beside_sms"):
-            if min(getattr(self, knob), default=0) < 0:
-                raise ValueError(f"bench.{knob} must be >= 0, got {list(getattr(self, knob))}")
-        for name in self.scenarios:
-            scenario_counts(name)
-
-
 @dataclass
 class TrackingConfig:
     """MLflow run tracking (hybrid/tracking.py): every run logs params, metrics, the resolved config, plots."""
@@ -415,7 +325,8 @@ class HybridConfig:
     seed: int = 0
     chat: bool = False  # wrap the prompt in the checkpoint's chat template
     output: OutputFormat = OutputFormat.text
-    bench: BenchConfig = field(default_factory=BenchConfig)
+    # mode=bench: the benchmark's own dataclass, by bench.name (hybrid/config/bench.py; checked in to_settings)
+    bench: Any = field(default_factory=lambda: {"name": "kernels"})
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)

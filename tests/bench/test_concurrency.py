@@ -1,5 +1,6 @@
 """`bench=concurrency`: scenario names, and the whole run on the CPU (the long prompt takes the chunked path there:
-the decodes go on between its chunks, so TPOT while it prefills is measured; the stream caps need a GPU)."""
+the decodes go on between its chunks, so TPOT while it prefills is measured; the stream caps need a GPU), a sweep's
+points replanned, the plot."""
 from __future__ import annotations
 
 import json
@@ -80,7 +81,7 @@ def test_layer_spans_gather_each_layer_across_the_graphs():
             return [[g1[0], g2[0]], [g1[1], g2[1]]]
 
     class Engine:
-        parts = {"graphs": Graphs()}
+        graphs = Graphs()
 
     taken = _cpu_spans(Engine, True)
     assert all(job.tracing and job.spans == [] for job in (*g1, *g2, lane))
@@ -95,18 +96,17 @@ def test_concurrency_bench_on_the_cpu(tmp_path, tiny_dir):  # +hw=cpu_only: on t
             "output=json", "bench.long_prompt_tokens=160", "bench.prompt_tokens=8",
             "bench.new_tokens=6", "bench.roof_gb=0.05", "policy.prefill.chunk_tokens=16", "policy.kv.max_context=256",
             "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "bench.scenarios=[1D,2D,1P,1P+1D,1P+2D]",
-            "bench.stream_duties=[0.5]", "bench.stream_caps=[10]", "bench.beside_cores=[1]",
-            "bench.attention_chunks=[0]", "bench.stream_queues=[0]",
-            "bench.mapped_outputs=[false]", "bench.beside_sms=[16]", "bench.cores_back=[false]",
+            "bench.sweep={prefill.attention_chunk_tokens:[0],decode.mapped_outputs:[false]}",
             "bench.dual_batch=true", "bench.dual_rounds=2"]
     p = subprocess.run([sys.executable, "-m", "hybrid", *args], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     dual = {r["dual_batch"]: r for r in out["records"] if "dual_batch" in r}  # the 2D pair: without and with
     recs = {(r["name"], r.get("scenario")): r for r in out["records"] if "dual_batch" not in r}  # extras flattened
-    # no stream-loading without a GPU: the sweeps are skipped, said once
-    assert ("bench.stream_duties, bench.stream_caps, bench.beside_cores, bench.attention_chunks, bench.stream_queues, "
-            "bench.mapped_outputs, bench.beside_sms, bench.cores_back skipped" in p.stderr)
+    # the sweep's one point: the engine replanned with it, every record tagged with it
+    assert "bench=concurrency at prefill.attention_chunk_tokens 0, decode.mapped_outputs False" in p.stderr
+    assert all(r["prefill.attention_chunk_tokens"] == 0 and r["decode.mapped_outputs"] is False
+               for r in out["records"] if r["name"] not in ("read_roof", "h2d_pinned"))
     for sc, n in (("1D", 1), ("2D", 2), ("1P+1D", 1), ("1P+2D", 2)):
         tpot, tok = recs[("tpot_s", sc)], recs[("decode_tok_s", sc)]
         assert tpot["m"] == n and 0 < tpot["value"] < 5
@@ -153,69 +153,83 @@ def test_too_many_requests_for_the_batch_cap_fail_clearly(tmp_path, tiny_dir):
     assert p.returncode != 0 and "need 3 requests running at once" in p.stderr and "Traceback" not in p.stderr
 
 
-@pytest.mark.parametrize("point, label, settings", [
-    ({"stream_cap_gbps": 0}, "1P+1D cap none", {"stream_cap_gbps": None}),
-    ({"stream_cap_gbps": 20.0}, "1P+1D cap 20.0", {"stream_cap_gbps": 20.0}),
-    ({"stream_duty": 1.0}, "1P+1D duty none", {"stream_duty": None}),
-    ({"stream_duty": 0.5}, "1P+1D duty 0.5", {"stream_duty": 0.5}),
-    ({"beside_cores": 2}, "1P+1D cores 2", {"beside_cores": 2}),
-    ({"attention_chunk_tokens": 0}, "1P+1D chunks 0", {"attention_chunk_tokens": 0}),
-    ({"stream_cap_gbps": 10.0, "beside_cores": 1}, "1P+1D cap 10.0 cores 1",
-     {"stream_cap_gbps": 10.0, "beside_cores": 1}),
-    ({"beside_cores": 2, "decode.mapped_outputs": False}, "1P+1D cores 2 mapped False",
-     {"beside_cores": 2, "decode.mapped_outputs": False})])
-def test_each_sweep_point_rebuilds_with_its_knobs_beside_decode(monkeypatch, point, label, settings):
-    """bench.stream_caps / beside_cores / attention_chunks (GPU runs): 1P+1D once more on an engine rebuilt with the
-    point's knobs changed and the prompt beside decode, the records tagged with them (the rebuild and the run
-    stubbed)."""
+def _fake_engine(s):
+    """What measure reads of an engine before its scenarios run (they are stubbed)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hybrid.models import args_of
+
+    return SimpleNamespace(device=torch.device("cpu"), model=SimpleNamespace(args=args_of(s.model)),
+                           plan=SimpleNamespace(params=dict))
+
+
+def test_each_sweep_point_replans_with_its_knobs_and_tags_its_records(monkeypatch):
+    """bench.sweep given together: every combination, each on the engine replanned with the point's knobs (the rest
+    of the policy as configured), its records tagged with them (the replan and the scenarios stubbed)."""
     from hybrid.bench import concurrency
     from hybrid.bench.records import Record
     from hybrid.engine import build
 
-    s = to_settings(compose(["mode=bench", "bench=concurrency", "+hw=cpu_only"]))
-    seen = {}
-    monkeypatch.setattr(build, "rebuild", lambda engine, s2, hw: seen.setdefault("policy", s2.policy) and "rebuilt")
-    monkeypatch.setattr(concurrency, "_run_scenario", lambda engine, sc, *a: seen.setdefault("run", (engine, sc)))
-    monkeypatch.setattr(concurrency, "_records", lambda engine, sc, *a: [Record("tpot_ratio", 1.0, "x")])
-    monkeypatch.setattr(concurrency, "_say", lambda sc, r: None)
-    results = {}
-    engine, recs = concurrency._again("old", s, point, [], [], results, 1.0, 1.0)
-    assert engine == "rebuilt" and seen["run"] == ("rebuilt", Scenario(label, 1, 1)) and label in results
-    assert seen["policy"].prefill.beside_decode
-    def knob(path):
-        group, _, name = path.rpartition(".")
-        return getattr(getattr(seen["policy"], group or "prefill"), name)
+    s = to_settings(compose(["mode=bench", "bench=concurrency", "+hw=cpu_only", "bench.roof_gb=0",
+                             "policy.prefill.beside_decode=true",
+                             "bench.sweep={prefill.stream_cap_gbps:[null,20],decode.mapped_outputs:[true,false]}"]))
+    replanned, measured = [], []
+    monkeypatch.setattr(build, "replan", lambda engine, s2, hw: replanned.append(s2.policy) or len(replanned))
+    monkeypatch.setattr(concurrency, "_at_point", lambda engine, s, point, *a: measured.append((engine, point)) or (
+        engine, [Record("tpot_ratio", 1.0, "x", extra={"scenario": "1P+1D", **point})]))
+    recs = concurrency.measure(_fake_engine(s), s)
+    points = [{"prefill.stream_cap_gbps": cap, "decode.mapped_outputs": mapped}
+              for cap in (None, 20) for mapped in (True, False)]
+    assert measured == list(zip((1, 2, 3, 4), points))
+    assert [(p.prefill.stream_cap_gbps, p.decode.mapped_outputs) for p in replanned] == [
+        (cap, mapped) for cap in (None, 20.0) for mapped in (True, False)]
+    assert all(p.prefill.beside_decode and p.kv == s.policy.kv for p in replanned)
+    assert [r.extra for r in recs] == [{"scenario": "1P+1D", **point} for point in points]
 
-    assert {k: knob(k) for k in settings} == settings
-    assert recs[0].extra == point
 
-
-def test_sweeps_given_together_run_every_combination():
+@pytest.mark.parametrize("sweep, error", [
+    ("{kv.max_batch:[2,4]}", "policy.kv.max_batch needs the model placed again"),
+    ("{decode.batch_cap:[2]}", "need 4 requests running at once"),
+])
+def test_a_sweep_that_cannot_run_is_refused_before_the_model_is_built(monkeypatch, sweep, error):
     from hybrid.bench import concurrency
+    from hybrid.engine import build
 
-    b = to_settings(compose(["mode=bench", "bench=concurrency", "+hw=cpu_only", "bench.stream_caps=[0,20]",
-                             "bench.beside_cores=[0,1,2]"])).bench
-    grid = concurrency._grid(b)
-    assert len(grid) == 6 and {(g["stream_cap_gbps"], g["beside_cores"]) for g in grid} == \
-        {(c, n) for c in (0, 20) for n in (0, 1, 2)}
-    assert all("attention_chunk_tokens" not in g for g in grid), "an empty sweep keeps the policy's value"
-    assert concurrency._grid(to_settings(compose(["mode=bench", "bench=concurrency", "+hw=cpu_only"])).bench) == []
+    monkeypatch.setattr(build, "build", lambda *a, **k: pytest.fail("built"))
+    s = to_settings(compose(["mode=bench", "bench=concurrency", "+hw=cpu_only", "bench.scenarios=[1D,4D]",
+                             f"bench.sweep={sweep}"]))
+    with pytest.raises(ConfigError, match=error):
+        concurrency.run(s)
 
 
-def test_plot_draws_a_curve_per_other_setting(tmp_path):
-    from hybrid.bench import concurrency
+def test_plot_draws_a_curve_per_other_setting(tmp_path, monkeypatch):
+    """The 1P+nD scenario of fewest decodes along the first key with two values (no cap drawn last, as none)."""
+    import matplotlib.axes
+
+    from hybrid.bench import concurrency_plot
     from hybrid.bench.records import Record
 
-    recs = [Record(name, v, "x", extra={"stream_cap_gbps": cap, "beside_cores": cores})
-            for cap in (0, 20, 10) for cores in (0, 1) for name, v in (("tpot_ratio", 1.1 + cores), ("ttft_s", 2.0))]
-    assert concurrency.plot(recs, tmp_path / "c.png") == tmp_path / "c.png" and (tmp_path / "c.png").stat().st_size
-    assert concurrency.plot([Record("tpot_ratio", 1.0, "x")], tmp_path / "none.png") is None
+    ticks = []
+    real = matplotlib.axes.Axes.set_xticks
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_xticks", lambda self, at, names=None, **k: ticks.append(names)
+                        or real(self, at, names, **k))
+    recs = [Record(name, v + n, "x", extra={"scenario": f"1P+{n}D", "prefill.stream_cap_gbps": cap,
+                                            "prefill.beside_cores": cores})
+            for n in (2, 1) for cap in (None, 20.0, 10.0) for cores in (0, 1)
+            for name, v in (("tpot_ratio", 1.1 + cores), ("ttft_s", 2.0))]
+    recs.append(Record("ttft_s", 1.0, "s", extra={"scenario": "1P", "prefill.stream_cap_gbps": None}))
+    png = tmp_path / "c.png"
+    assert concurrency_plot.plot(recs, png) == png and png.stat().st_size
+    assert ticks == [["10", "20", "none"]] * 2
+    assert concurrency_plot.plot([Record("tpot_ratio", 1.0, "x", extra={"scenario": "1P+1D"})], png) is None
 
 
 def test_plot_draws_the_dual_batch_ways_beside_their_bounds(tmp_path, monkeypatch):
     import matplotlib.axes
 
-    from hybrid.bench import concurrency
+    from hybrid.bench import concurrency_plot
     from hybrid.bench.records import Record
 
     bars = []
@@ -228,17 +242,17 @@ def test_plot_draws_the_dual_batch_ways_beside_their_bounds(tmp_path, monkeypatc
             for n, base in ((2, 85.0), (4, 55.0)) for way, v, b in zip(ways, (base, base + 1, base * 1.3),
                                                                          (base, base * 1.1, base * 1.2))]
     recs.append(Record("decode_tok_s", 80.0, "tok/s", extra={"scenario": "2D"}))  # the main run's: no way, not drawn
-    assert concurrency.plot(recs, tmp_path / "d.png") == tmp_path / "d.png" and (tmp_path / "d.png").stat().st_size
+    assert concurrency_plot.plot(recs, tmp_path / "d.png") == tmp_path / "d.png" and (tmp_path / "d.png").stat().st_size
     assert len(bars) == 6 and [label for label, _ in bars if label] == list(ways)
     assert [h for _, h in bars] == [85.0, 55.0, 86.0, 56.0, 85.0 * 1.3, 55.0 * 1.3]
 
 
 def test_plot_takes_the_knob_that_was_swept_with_repeats(tmp_path, monkeypatch):
-    """bench.beside_sms=[0,32,0,32]: the SMs on the x axis (not the cap's), a point per run, the curve through the
-    medians of each setting's runs."""
+    """bench.sweep={prefill.beside_sms:[0,32,0,32,0]}: the SMs on the x axis (not the queue's, one value), a point
+    per run, the curve through the medians of each setting's runs."""
     import matplotlib.axes
 
-    from hybrid.bench import concurrency
+    from hybrid.bench import concurrency_plot
     from hybrid.bench.records import Record
 
     drawn = []  # the lines' (x, y), in the order drawn: the TPOT ratio's first
@@ -249,9 +263,9 @@ def test_plot_takes_the_knob_that_was_swept_with_repeats(tmp_path, monkeypatch):
         return real_plot(self, *a, **k)
 
     monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
-    recs = [Record(name, v, "x", extra={"beside_sms": sms, "stream_queue_mb": 16})
+    recs = [Record(name, v, "x", extra={"scenario": "1P+1D", "prefill.stream_queue_mb": 16, "prefill.beside_sms": sms})
             for sms, ratio in ((0, 1.2), (32, 1.1), (0, 1.16), (32, 1.04), (0, 1.18))
             for name, v in (("tpot_ratio", ratio), ("ttft_s", 2.0))]
-    assert concurrency.plot(recs, tmp_path / "s.png") == tmp_path / "s.png"
+    assert concurrency_plot.plot(recs, tmp_path / "s.png") == tmp_path / "s.png"
     xs, ys = drawn[0]
     assert list(xs) == [0, 1] and list(ys) == [1.18, pytest.approx(1.07)]  # medians of 3 and of 2 runs

@@ -10,6 +10,7 @@ from hybrid.placement.passes import CpuExperts, cpu_experts, experts_to_cpu_kern
 from hybrid.engine.profile import StepProfile, TimedExperts
 from hybrid.placement.staging import Staging
 from hybrid.model.moe import MoE
+from hybrid.engine.build import plan_for
 from hybrid.run import bench
 from hybrid.hw.detect import detect
 from hybrid.weights.checkpoint import Checkpoint
@@ -26,7 +27,7 @@ def test_projection_scales_moe_and_dense_layers_separately():
 def test_decode_bench_records_on_the_cpu():
     s = to_settings(compose(["mode=bench", "bench=decode", "bench.contexts=[16,48]", "bench.steps=2",
                              "bench.roof_gb=0.05", "policy.kv.max_context=64", "tracking.enabled=false"]))
-    report = bench(s, "auto", detect())
+    report = bench(s, "auto", detect(), plan_for(s, s.hw).cpu.kernel)
     names = {r["name"] for r in report["records"]}
     assert {"read_roof", "tpot", "decode_vs_expert_bound", "gpu_idle_fraction", "cpu_idle_fraction",
             "split.attention", "split.cpu_moe", "projected_tpot_61_layers", "tpot_ratio"} <= names

@@ -6,6 +6,7 @@ import pytest
 from hybrid.bench.decode import project_cpu
 from hybrid.config.compose import compose, to_settings
 from hybrid.hw.detect import detect
+from hybrid.engine.build import plan_for
 from hybrid.run import bench
 
 
@@ -18,7 +19,7 @@ def test_cpu_projection_counts_what_is_outside_the_layers_once():
 def test_cpu_records_split_the_step_by_layer():
     s = to_settings(compose(["+hw=cpu_only", "mode=bench", "bench=decode", "bench.contexts=[16]", "bench.steps=3",
                              "bench.roof_gb=0.05", "policy.kv.max_context=64", "tracking.enabled=false"]))
-    records = {r["name"]: r for r in bench(s, "cpu_only", detect())["records"]}
+    records = {r["name"]: r for r in bench(s, "cpu_only", detect(), plan_for(s, s.hw).cpu.kernel)["records"]}
     tpot_ms = records["tpot"]["value"] * 1e3
     assert 0 <= records["split.outside_layers"]["value"] < tpot_ms
     assert 0 < records["split.cpu_moe"]["value"] < tpot_ms, "the routed experts alone, the shared experts not in"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from hybrid.bench import kernels
-from hybrid.config.schema import BenchConfig
+from hybrid.config.bench import KernelsBench
 from hybrid.kernels.dispatch import available
 
 
@@ -18,7 +18,7 @@ class FixedRoof:
 
 
 def test_moe_records_carry_time_and_the_threads_shares():
-    cfg = BenchConfig(hidden=256, inter=128, moe_experts=8, top_k=2, moe_tokens=[1, 5], repeats=1)
+    cfg = KernelsBench(hidden=256, inter=128, moe_experts=8, top_k=2, moe_tokens=[1, 5], repeats=1)
     records = kernels._moe_records(cfg, FixedRoof(), [available()[0]], np.random.default_rng(0))
     assert [r.m for r in records] == [1, 5]
     for r in records:
@@ -45,7 +45,7 @@ def test_plot_draws_each_kernel_beside_its_bound(tmp_path, monkeypatch):
                         lambda self, x, y, *a, **k: lines.setdefault(k["label"], (list(x), list(y)))
                         and real_plot(self, x, y, *a, **k))
     kernels_here = available()[:2]
-    cfg = BenchConfig(hidden=256, inter=128, moe_experts=8, top_k=2, moe_tokens=[1, 4], repeats=1)
+    cfg = KernelsBench(hidden=256, inter=128, moe_experts=8, top_k=2, moe_tokens=[1, 4], repeats=1)
     layers = kernels._moe_records(cfg, FixedRoof(), kernels_here, np.random.default_rng(0))
     gemms = [Record("fp8_gemm.down", 20.0 * m, "GB/s", 40.0, m, 256, 128, "fp8",
                     {"tflops": 0.04 * m, "kernel": kernels_here[0]}) for m in (1, 2, 8)]

@@ -34,10 +34,37 @@ def test_plot_copes_with_one_series(tmp_path, missing):
 def test_without_a_gpu_the_cpu_path_reports_its_flop_rate():
     from hybrid.config.compose import compose, to_settings
     from hybrid.hw.detect import detect
+    from hybrid.engine.build import plan_for
     from hybrid.run import bench
 
     s = to_settings(compose(["+hw=cpu_only", "mode=bench", "bench=prefill", "bench.prompt_lengths=[8,16]",
                              "tracking.enabled=false"]))
-    records = [r for r in bench(s, "cpu_only", detect())["records"] if r["name"] == "cpu_path_ttft"]
+    records = [r for r in bench(s, "cpu_only", detect(), plan_for(s, s.hw).cpu.kernel)["records"] if r["name"] == "cpu_path_ttft"]
     assert [r["m"] for r in records] == [8, 16]
     assert all(r["gflop_s"] == pytest.approx(r["gflop"] / r["value"]) for r in records)
+
+
+def test_each_two_gpu_rank_is_placed_as_the_prefill_peer_on_the_shared_experts():
+    """bench=prefill policy.prefill.gpus=2 (two GPUs; here its rank's placement on the CPU): the parent shares the
+    routed experts once (build.shared_experts), a rank places the model through build.peer_model and reads its
+    experts from that copy, and its prefill gives the engine's logits."""
+    import torch
+
+    from hybrid.bench.prefill_dual import rank_model
+    from hybrid.config.compose import compose, to_settings
+    from hybrid.engine.build import build, plan_for, shared_experts
+    from hybrid.placement.passes import cpu_experts
+    from hybrid.prefill.ring import expert_tensors
+
+    s = to_settings(compose(["+hw=cpu_only", "mode=bench", "bench=prefill", "policy.kv.max_context=64"]))
+    plan = plan_for(s, s.hw)
+    arenas = shared_experts(s.model, plan, progress=False)
+    model, _ = rank_model(torch.device("cpu"), s, plan, plan.cpu.threads, arenas)
+    for layer, arena in zip(cpu_experts(model), arenas, strict=True):
+        lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
+        assert all(lo <= t.data_ptr() < hi for e in layer.host_experts for _, t in expert_tensors(e))
+    prompt = list(range(2, 14))
+    cache = model.new_cache(1, 64)
+    got = model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache, torch.tensor([0]), last_only=True)
+    want, _ = build(s, s.hw, progress=False).prefill(prompt)
+    torch.testing.assert_close(got[0, -1], want)

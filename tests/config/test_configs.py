@@ -233,7 +233,7 @@ def test_wrong_type(override, expect):
     (["policy.prefill.beside_sms=-1"], "policy.prefill.beside_sms"),  # 0: every SM
     (["policy.prefill.stream_duty=0"], "policy.prefill.stream_duty"),  # a share of the time in (0, 1]
     (["policy.prefill.stream_duty=1.5"], "policy.prefill.stream_duty"),
-    (["mode=bench", "bench=concurrency", "bench.stream_duties=[0.5,0]"], "bench.stream_duties"),
+    (["mode=bench", "bench=concurrency", "bench.sweep={prefill.stream_duty:[0.5,0]}"], "prefill.stream_duty 0"),
     (["policy.kv.max_batch=0"], "policy.kv.max_batch"),
     (["policy.kv.max_context=0"], "policy.kv.max_context"),
     (["policy.cpu.kernel=avx9"], "policy.cpu.kernel"),

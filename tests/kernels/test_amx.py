@@ -271,7 +271,7 @@ def test_amx_min_tokens_resolved():
 
 def test_bench_times_amx_beside_avx512():
     from hybrid.bench.kernels import kernels_timed
-    from hybrid.config.schema import BenchConfig
+    from hybrid.config.bench import KernelsBench
 
     here = dispatch.available()  # the variants this CPU runs (AMX, AVX-512 BF16 and AVX2 come and go between machines)
     assert kernels_timed(["generic", here[0]], "amx" if HAS_AMX else None) == ["generic", here[0]]
@@ -282,4 +282,4 @@ def test_bench_times_amx_beside_avx512():
     if HAS_AMX:
         assert kernels_timed([], "amx") == ["amx", "avx512_bf16"] == kernels_timed([], None)
     with pytest.raises(ValueError, match="bench.cpu_kernels takes amx, avx512_bf16, avx512, avx2, generic"):
-        BenchConfig(cpu_kernels=["amx_emulated"])
+        KernelsBench(cpu_kernels=["amx_emulated"])

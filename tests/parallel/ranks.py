@@ -99,10 +99,10 @@ def run_cases(d: Dist, cases: list[dict], arenas: Optional[list] = None, bench: 
 
 def bench_runs(d: Dist, arenas: list, ck: Path, lengths: list[int]) -> list[dict]:
     from hybrid.bench.prefill_dual import _measure
-    from hybrid.config.schema import PolicyConfig
+    from hybrid.parallel.peer import Knobs
 
     model = load(ck, d.device, streamed=True)
     attach_experts(model, arenas)
     cache = model.new_cache(1, max(lengths), d.device)
     loader = StreamLoader()
-    return [_measure(d, model, cache, loader, n, mode, PolicyConfig()) for n in lengths for mode in ("smallep", "ep")]
+    return [_measure(d, model, cache, loader, n, mode, Knobs()) for n in lengths for mode in ("smallep", "ep")]
