@@ -173,8 +173,8 @@ def _log_run(s, cfg, report, hw, plan) -> str:
             **({"bench": s.bench.name} if s.mode.value == "bench" else {})}).info.run_id
     try:
         now = int(time.time() * 1000)
-        params = [Param(_safe_key(k), v) for k, v in params_of(s, hw, plan).items()]
-        params += [Param(_safe_key(f"plan.{k}"), str(v)[:6000]) for k, v in report.get("plan", {}).items()]
+        given = {f"plan.{k}": str(v)[:6000] for k, v in report.get("plan", {}).items()}  # the engine's: with its ledger
+        params = [Param(_safe_key(k), v) for k, v in {**params_of(s, hw, plan), **given}.items()]
         metrics = [Metric(_safe_key(k), v, now, 0) for k, v in metrics_of(report).items()]
         for i in range(0, max(len(params), len(metrics)), 100):
             c.log_batch(run_id, metrics=metrics[i:i + 100], params=params[i:i + 100])

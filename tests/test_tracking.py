@@ -53,10 +53,10 @@ def test_generate_run_is_tracked(mlflow_runs, tmp_path):
     assert r.info.status == "FINISHED" and r.data.tags["mode"] == "generate"
     assert r.data.params["model.name"] == "tiny" and r.data.params["hw.name"] == "auto"
     assert r.data.params["policy.cpu.gemm_tile_tokens"] == "None" and int(r.data.params["hw.cpu.cores"]) >= 1
-    assert int(r.data.params["plan.cpu_gemm_tile_tokens"]) in (16, 64)
+    assert int(r.data.params["plan.cpu.gemm_tile_tokens"]) in (16, 64)
     # the resolved plan beside the policy: what the nulls became
-    assert r.data.params["plan.device"] == "cpu" and int(r.data.params["plan.threads"]) >= 1
-    assert r.data.params["plan.cpu_kernel"] in ("amx", "avx512_bf16", "avx512", "avx2", "generic")
+    assert r.data.params["plan.device"] == "cpu" and int(r.data.params["plan.cpu.threads"]) >= 1
+    assert r.data.params["plan.cpu.kernel"] in ("amx", "avx512_bf16", "avx512", "avx2", "generic")
     assert {"ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s"} <= set(r.data.metrics)
     files = {a.path for a in c.list_artifacts(r.info.run_id)}
     plots = {a.path for a in c.list_artifacts(r.info.run_id, "plots")}

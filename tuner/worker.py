@@ -1,8 +1,8 @@
 """The trial worker: `python -m tuner.worker <overrides>` composes the engine's config as `python -m hybrid
 <overrides>` would, then takes requests, one JSON line each on stdin, and answers each with one JSON line on stdout
 (everything else it prints goes to stderr). The model is loaded and placed once, by the first request; every later
-one rebuilds the engine around it for the request's policy (hybrid/engine/build.py `rebuild`), so a trial that
-changes only rebuildable knobs costs its measurement alone. The tuner restarts the worker for the other knobs.
+one rebuilds the engine around it for the request's policy (hybrid/engine/build.py `replan`), so a trial that
+changes only knobs placement does not read costs its measurement alone. The tuner restarts the worker for the other knobs.
 
     {"op": "trial", "trial": 3, "policy": {"decode.batch_cap": 4, ...}, "measure": "workload" | "slo"}
     {"op": "crossover", "policy": {...}, "lengths": [32, 64, 128, 256]}
@@ -56,7 +56,7 @@ class TrialWorker:
 
     def engine_for(self, s) -> tuple[Any, float]:
         """The engine for settings s (built the first time, rebuilt after) and the seconds that took."""
-        from hybrid.engine.build import build, rebuild
+        from hybrid.engine.build import build, replan
 
         t0 = time.perf_counter()
         if self.engine is None:
@@ -64,7 +64,7 @@ class TrialWorker:
             self.builds += 1
         else:
             old, self.engine = self.engine, None
-            self.engine = rebuild(old, s, self.hw)
+            self.engine = replan(old, s, self.hw)
         return self.engine, time.perf_counter() - t0
 
     def trial(self, req: dict) -> dict:

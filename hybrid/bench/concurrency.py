@@ -158,7 +158,7 @@ def cpu_busy(spans: list[tuple[int, int]], start: int, end: int) -> float:
 
 def _run_scenario(engine, sc: Scenario, d_prompts, p_prompt, new_tokens: int) -> dict:
     drv = _Driver(engine)
-    room = engine.plan.max_context
+    room = engine.plan.kv.max_context
     ds = [drv.add(p, room - len(p)) for p in d_prompts[:sc.decodes]]
     out: dict = {}
     if ds:
@@ -208,10 +208,10 @@ def _stream_gbs(engine, h2d: float, prompt_tokens: int) -> float:
     """The copy rate a prompt's stream-loading prefill beside decode takes from the host's DRAM while requests
     decode: min(cap, H2D rate); 0 when it is not stream-loaded beside decode (held: decode waits; chunked: no
     stream)."""
-    p = engine.plan
-    if not h2d or not p.prefill_beside_decode or prompt_tokens <= p.slp_cutoff_tokens:
+    p = engine.plan.prefill
+    if not h2d or not p.beside_decode or prompt_tokens <= p.slp_cutoff_tokens:
         return 0.0
-    return min(h2d, p.stream_cap_bytes_s / 1e9) if p.stream_cap_bytes_s else h2d
+    return min(h2d, p.stream_cap_gbps) if p.stream_cap_gbps else h2d
 
 
 def check(b, scenarios: list[Scenario], batch_cap: int, max_batch: int, max_context: int) -> None:
@@ -266,9 +266,9 @@ def _at_point(engine, s, point: dict, scenarios: list[Scenario], streams: bool, 
     from hybrid.bench.slo import bytes_per_decode_step
 
     b = s.bench
-    check(b, scenarios, engine.plan.batch_cap, engine.plan.max_batch, engine.plan.max_context)
-    how = ("chunked on the CPU path" if not streams or engine.plan.slp_cutoff_tokens >= b.long_prompt_tokens
-           else "stream-loaded beside decode" if engine.plan.prefill_beside_decode else "stream-loaded, decode held")
+    check(b, scenarios, engine.plan.decode.batch_cap, engine.plan.kv.max_batch, engine.plan.kv.max_context)
+    how = ("chunked on the CPU path" if not streams or engine.plan.prefill.slp_cutoff_tokens >= b.long_prompt_tokens
+           else "stream-loaded beside decode" if engine.plan.prefill.beside_decode else "stream-loaded, decode held")
     print(f"bench=concurrency: the {b.long_prompt_tokens}-token prompt is {how}", file=sys.stderr)
     for n in sorted({sc.decodes for sc in scenarios} - {0}) or [1]:  # warm-up: allocations, each batch's graphs
         _run_scenario(engine, Scenario(f"{n}D", 0, n), d_prompts, p_prompt, 4)
@@ -308,11 +308,11 @@ def _dual_batch(engine, s, point: dict, scenarios: list[Scenario], d_prompts, ro
             engine = sweep.replanned(engine, s, {**point, "decode.dual_batch": dual})
             for n in sorted({sc.decodes for sc in scenarios}):  # warm-up: the micro-batches' graphs
                 _run_scenario(engine, Scenario(f"{n}D", 0, n), d_prompts, None, 4)
-            join = engine.plan.cpu_join  # the hand-off as resolved
-            staggered[dual] = dual and engine.plan.dual_stagger
+            join = engine.plan.decode.cpu_join  # the hand-off as resolved
+            staggered[dual] = dual and engine.plan.decode.dual_stagger
             way[dual] = ("without overlap" if not dual else "two micro-batches in turn"
-                         if engine.plan.cuda_graphs == "off" else "overlapped, half a step apart"
-                         if engine.plan.dual_stagger else "overlapped in lockstep")
+                         if engine.plan.decode.cuda_graphs == "off" else "overlapped, half a step apart"
+                         if engine.plan.decode.dual_stagger else "overlapped in lockstep")
             for sc in scenarios:
                 r = _run_scenario(engine, sc, d_prompts, None, b.new_tokens)
                 runs.setdefault((dual, sc.name), []).append(r)
@@ -354,7 +354,7 @@ def _dual_batch(engine, s, point: dict, scenarios: list[Scenario], d_prompts, ro
 def _records(engine, sc: Scenario, results: dict, roof: float, h2d: float, prompt_tokens: int,
              step_bytes) -> list[Record]:
     r, n = results[sc.name], sc.decodes
-    common = {"scenario": sc.name, "beside_decode": engine.plan.prefill_beside_decode}
+    common = {"scenario": sc.name, "beside_decode": engine.plan.prefill.beside_decode}
     out = []
     if "before" in r and r["before"]:
         tpot = statistics.median(r["before"])

@@ -76,7 +76,7 @@ def decode_steps(steps: int) -> list[dict]:
     import yaml
 
     from hybrid.engine.engine import Engine
-    from hybrid.engine.plan import Plan
+    from hybrid.engine.probe import local_plan
     from hybrid.engine.requests import SamplingParams
     from hybrid.weights.checkpoint import Checkpoint
     from hybrid.weights.loader import load_model
@@ -85,8 +85,8 @@ def decode_steps(steps: int) -> list[dict]:
     spec = yaml.safe_load((CONF_DIR / "model" / "tiny.yaml").read_text())["synthetic"]
     path = write_checkpoint(Path(tempfile.mkdtemp(prefix="hybrid-grammar-")) / "tiny", spec, 0, progress=False)
     tok = Tokenizer(path)
-    engine = Engine(load_model(Checkpoint(path), torch.float32, progress=False), Plan(max_batch=1, batch_cap=1, max_context=512),
-                    tok)
+    plan = local_plan({"kv.max_batch": 1, "decode.batch_cap": 1, "kv.max_context": 512})
+    engine = Engine(load_model(Checkpoint(path), torch.float32, progress=False), plan, tok)
     times: dict[str, list[float]] = {"none": [], "json_schema": []}
     for _round in range(3):  # interleaved: the machine's load drifts
         for name, kw in (("none", {}), ("json_schema", {"response_format": {"type": "json_schema",

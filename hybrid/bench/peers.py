@@ -131,7 +131,7 @@ def ours(model: str, lm_head: str, threads: int, depths=DEPTHS) -> dict:
     run(_tokens(PROMPT_TOKENS, vocab, 1), 2)  # warm-up: every expert's pages read once
     prefill_s = run(_tokens(PROMPT_TOKENS, vocab, 2), 1)[0]
     return {"side": f"hybrid (lm_head {lm_head})", "prefill_tok_s": PROMPT_TOKENS / prefill_s,
-            **{f"decode_tok_s_d{d}": 1 / _ours_at(engine, d) for d in depths}, "threads": engine.plan.threads}
+            **{f"decode_tok_s_d{d}": 1 / _ours_at(engine, d) for d in depths}, "threads": engine.plan.cpu.threads}
 
 
 def llama(gguf: str, threads: int, depths=DEPTHS) -> dict:

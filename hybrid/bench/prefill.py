@@ -69,9 +69,9 @@ def _cpu_only(engine, cfg) -> Records:
     every layer), with its matmul rate (bounds.prefill_flops / TTFT)."""
     a, records = engine.model.args, []
     lengths = [n for n in cfg.prompt_lengths if n <= cfg.cpu_max_tokens]
-    if not lengths or max(lengths) > engine.plan.max_context:
+    if not lengths or max(lengths) > engine.plan.kv.max_context:
         raise ConfigError(f"bench=prefill without a GPU times prompts up to bench.cpu_max_tokens="
-                          f"{cfg.cpu_max_tokens} that fit policy.kv.max_context={engine.plan.max_context}")
+                          f"{cfg.cpu_max_tokens} that fit policy.kv.max_context={engine.plan.kv.max_context}")
     if cfg.sweep:
         print("bench=prefill: bench.sweep times stream-loading, which needs a GPU: not run", file=sys.stderr)
     _ttft(engine, min(lengths), streamed=False)  # warm-up

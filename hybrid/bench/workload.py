@@ -88,7 +88,7 @@ def warm_up(engine, w: Workload) -> None:
     """A few short requests at the workload's shortest and longest prompts, as many as run at once: thread pools,
     allocations, both prefill paths where the cutoff splits the workload, decode graphs of those batch sizes."""
     lo, hi = w.prompt_tokens
-    n = engine.plan.batch_cap
+    n = engine.plan.decode.batch_cap
     vocab = engine.model.args.vocab_size
     prompts = [[3 + (i * 7 + j) % (vocab - 3) for j in range(lo if i % 2 else hi)] for i in range(n)]
     engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))

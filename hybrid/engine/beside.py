@@ -3,9 +3,9 @@
 (hybrid/parallel/peer.py `PeerPrefill`), while the engine's thread goes on stepping decode. The weights stay one
 copy in host memory: decode's CPU experts read them there, the prefill streams them through the GPU.
 
-While it runs, its stream's limits apply while requests decode (plan.stream_cap_bytes_s, stream_queue_bytes,
-stream_duty; none when nothing decodes) and decode's CPU experts leave it plan.prefill_beside_cores of the native
-thread pool (decode_threads). The engine's thread collects it once it has ended."""
+While it runs, its stream's limits apply while requests decode (plan.prefill.stream_cap_gbps, stream_queue_mb,
+stream_duty; none when nothing decodes) and decode's CPU experts leave it plan.prefill.beside_cores of the native
+thread pool (Plan.decode_threads). The engine's thread collects it once it has ended."""
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from hybrid.engine.plan import Plan, decode_threads
+from hybrid.plan.plan import Plan
 from hybrid.engine.requests import Request
 from hybrid.engine.runner import ModelRunner
 from hybrid.engine.scheduler import Chunk
@@ -124,8 +124,8 @@ class BesideDecode:
     def pace(self, decoding: bool) -> None:
         """The stream's limits for this step: paced while requests decode, at full speed when none does."""
         if decoding:
-            self.throttle.set_limits(self.plan.stream_cap_bytes_s, self.plan.stream_queue_bytes,
-                                     self.plan.stream_duty)
+            p = self.plan.prefill
+            self.throttle.set_limits(p.stream_cap_gbps * 1e9 or None, int(p.stream_queue_mb * 2 ** 20) or None, p.stream_duty)
         else:
             self.throttle.set_limits(None, None, None)
 
@@ -134,11 +134,11 @@ class BesideDecode:
         self.throttle.release()
 
     def threads(self) -> Optional[int]:
-        """The native pool's threads for this step's CPU work (decode_threads) where the pool has another count;
-        None where it is right. With plan.cores_back_in_rests, a step begun while the prefill rests (its duty
+        """The native pool's threads for this step's CPU work (Plan.decode_threads) where the pool has another count;
+        None where it is right. With plan.prefill.cores_back_in_rests, a step begun while the prefill rests (its duty
         cycle) takes its cores too, the rest held until the step is done (`release`)."""
-        if not self.plan.prefill_beside_cores:
+        if not self.plan.prefill.beside_cores:
             return None
-        beside = self.job is not None and not (self.plan.cores_back_in_rests and self.throttle.hold())
-        want = decode_threads(self.plan, beside)
+        beside = self.job is not None and not (self.plan.prefill.cores_back_in_rests and self.throttle.hold())
+        want = self.plan.decode_threads(beside)
         return want if thread_pool.threads() != want else None

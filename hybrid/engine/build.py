@@ -150,7 +150,7 @@ def assemble(placed: Placed, s: HybridConfig, plan: Plan, previous: Optional[Eng
     model, device = placed.model, placed.device
     a = model.args
     chunk_prefill_attention(model, plan.prefill.attention_chunk_tokens)
-    same_hot = previous is not None and previous.plan.gpu_experts_per_layer == plan.gpu.experts_per_layer
+    same_hot = previous is not None and previous.plan.gpu.experts_per_layer == plan.gpu.experts_per_layer
     if same_hot:
         hot = previous.hot
         for h in hot:  # each engine starts cold: a trial's hot set is its own traffic's, not earlier trials'
@@ -181,8 +181,8 @@ def assemble(placed: Placed, s: HybridConfig, plan: Plan, previous: Optional[Eng
     decode = None
     if d.cuda_graphs != "off":
         # graphs captured with these slots and the same hand-off of the CPU experts (their join and outputs)
-        same_handoff = previous is not None and (previous.plan.mapped_outputs, previous.plan.cpu_join) == (
-            d.mapped_outputs, d.cpu_join)
+        old = previous.plan.decode if previous is not None else None
+        same_handoff = old is not None and (old.mapped_outputs, old.cpu_join) == (d.mapped_outputs, d.cpu_join)
         decode = previous.decoder(d.cuda_graphs) if same_hot and same_handoff else None
         if decode is None:
             from hybrid.engine.cuda_graphs import GraphedDecode  # GPU only: loads the CUDA driver's entry point
@@ -190,30 +190,8 @@ def assemble(placed: Placed, s: HybridConfig, plan: Plan, previous: Optional[Eng
             decode = GraphedDecode(model, cache, placed.staging, d.cuda_graphs, plan.kv.max_batch, d.cpu_join)
     print(plan.describe(), file=sys.stderr)
     after = functools.partial(_refresh, hot) if hot else None
-    return Engine(model, _flat(plan), placed.tokenizer, cache, decode, long_prefill, after, placed=placed, hot=hot,
+    return Engine(model, plan, placed.tokenizer, cache, decode, long_prefill, after, placed=placed, hot=hot,
                   peer=start_peer(placed, s) if previous is None else previous.peer)
-
-
-def _flat(plan: Plan):
-    from hybrid.engine.plan import Plan as Flat
-
-    c, k, p, d, g = plan.cpu, plan.kv, plan.prefill, plan.decode, plan.gpu
-    return Flat(device=torch.device(plan.device), threads=c.threads, cpu_kernel=c.kernel if c.moe_backend == "native" else "torch",
-                cpu_gemm_tile_tokens=c.gemm_tile_tokens, cpu_amx_min_tokens=c.amx_min_tokens,
-                cpu_batch_invariant=c.batch_invariant, moe_backend=c.moe_backend, cpu_lm_head=c.lm_head,
-                deferred_experts=c.deferred_experts, max_batch=k.max_batch, max_context=k.max_context,
-                batch_cap=d.batch_cap, prefill_chunk_tokens=p.chunk_tokens,
-                prefill_attention_chunk=p.attention_chunk_tokens, slp_cutoff_tokens=p.slp_cutoff_tokens,
-                slp_chunk_tokens=p.slp_chunk_tokens, ring_len=p.ring_len or None, slp_group_experts=p.slp_group_experts,
-                prefill_gpus=p.gpus, prefill_ep=p.ep, prefill_beside_decode=p.beside_decode,
-                prefill_beside_cores=p.beside_cores,
-                stream_cap_bytes_s=p.stream_cap_gbps * 1e9 if p.stream_cap_gbps else None,
-                stream_queue_bytes=p.stream_queue_mb << 20 if p.stream_queue_mb else None,
-                stream_duty=p.stream_duty if p.stream_duty != 1 else None, cores_back_in_rests=p.cores_back_in_rests,
-                prefill_sms=plan.prefill_sms, gpu_weights=g.weights, gpu_fp8_gemm=g.fp8_gemm,
-                gpu_fp8_dequant_rows=g.fp8_dequant_rows, cuda_graphs=d.cuda_graphs, dual_batch=d.dual_batch,
-                dual_stagger=d.dual_stagger, mapped_outputs=d.mapped_outputs, cpu_join=d.cpu_join,
-                gpu_experts_per_layer=g.experts_per_layer, gpu_pad_rows=g.pad_rows, ledger=plan.ledger)
 
 
 def start_peer(placed: Placed, s: HybridConfig):

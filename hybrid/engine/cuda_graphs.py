@@ -58,7 +58,6 @@ from hybrid.placement.staging import Staging
 from hybrid.engine.decoder import Decoder
 from hybrid.engine.streams import decode_stream
 from hybrid.config.schema import CPU_JOINS
-from hybrid.errors import ConfigError
 from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
 
@@ -142,16 +141,6 @@ def stream_waits(device: torch.device) -> bool:
     except RuntimeError:
         return False
     return rc == 0
-
-
-def cpu_join(wanted: Optional[str], supported: bool) -> str:
-    """policy.decode.cpu_join resolved: null = `signal` where streams can wait for host memory, else `host`."""
-    if wanted is None:
-        return "signal" if supported else "host"
-    if wanted == "signal" and not supported:
-        raise ConfigError("policy.decode.cpu_join=signal needs CUDA stream memory operations (cuStreamWaitValue32 "
-                          "on pinned host memory), which this driver refused; set it to host or null")
-    return wanted
 
 
 _host_call = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # a native host function called from Python (segments)

@@ -20,7 +20,7 @@ from hybrid.engine.decoder import DecodeFn, Decoder
 from hybrid.engine.generate import Completion, generate
 from hybrid.engine.inbox import Inbox, check
 from hybrid.engine.outputs import OutputProcessor, error_text
-from hybrid.engine.plan import Plan
+from hybrid.plan.plan import Plan
 from hybrid.engine.requests import FinishReason, Request, RequestOutput, SamplingParams, State
 from hybrid.engine.peer_link import PeerLink
 from hybrid.engine.runner import ModelRunner
@@ -50,17 +50,17 @@ class Engine:
         the hot experts. `peer`: the second prefill device's process (hybrid/parallel/peer.py, started by build()
         for policy.prefill.gpus=2): a long prompt goes to both devices when nothing decodes, to the peer alone
         beside decode while requests decode; the engine closes it."""
-        self.model, self.tokenizer, self.plan, self.device = model, tokenizer, plan, plan.device
+        self.model, self.tokenizer, self.plan, self.device = model, tokenizer, plan, torch.device(plan.device)
         self.placed, self.hot = placed, list(hot)
         self.runner = ModelRunner(model, plan, cache, decode, long_prefill, after_prefill,
                                   placed.staging if placed else None)
         self.cache = self.runner.cache
         self.outputs = OutputProcessor(tokenizer, model.args.eos_token_id)
         # with a peer, prompts above the cutoff take the two-device paths (on the CPU stand-in too)
-        self.scheduler = Scheduler(self.cache.slots, plan.batch_cap, plan.prefill_chunk_tokens,
-                                   plan.slp_cutoff_tokens if long_prefill is not None or peer is not None else None,
-                                   plan.prefill_gpus, beside_decode=plan.prefill_beside_decode or peer is not None)
-        self._link = PeerLink(peer, self.scheduler, plan.prefill_beside_decode, streams=long_prefill is not None)
+        self.scheduler = Scheduler(self.cache.slots, plan.decode.batch_cap, plan.prefill.chunk_tokens,
+                                   plan.prefill.slp_cutoff_tokens if long_prefill is not None or peer is not None else None,
+                                   plan.prefill.gpus, beside_decode=plan.prefill.beside_decode or peer is not None)
+        self._link = PeerLink(peer, self.scheduler, plan.prefill.beside_decode, streams=long_prefill is not None)
         self.inbox = Inbox()
         self._requests: dict[int, Request] = {}
         self._given: set[int] = set()  # requests whose token this step came from the step launched ahead
@@ -79,7 +79,7 @@ class Engine:
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
         """Why a request cannot be served, as a RequestError (naming the numbers and the knob)."""
-        check(prompt, params, self.model.args.vocab_size, self.plan.max_context, self.tokenizer is not None)
+        check(prompt, params, self.model.args.vocab_size, self.plan.kv.max_context, self.tokenizer is not None)
 
     def abort(self, rid: int) -> None:
         """Ends the request at the next step (reason `abort`); unknown or finished ids are ignored."""
@@ -107,7 +107,7 @@ class Engine:
     @property
     def graphs(self) -> Optional["GraphedDecode"]:
         """The plan's graphed decoder (its captured graphs and native jobs); None where decode runs eagerly."""
-        return self.runner.graphed.get(self.plan.cuda_graphs)
+        return self.runner.graphed.get(self.plan.decode.cuda_graphs)
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -153,7 +153,7 @@ class Engine:
                 self._prefill(chunk, changed)
             live = [r for r in plan.decode if not r.finished and r.id not in self._given]
             if self.runner.ahead is not None:  # it goes on if its requests are one of this step's micro-batches
-                self._drain_ahead(changed, micro_batches(live) if self.plan.dual_batch else None)
+                self._drain_ahead(changed, micro_batches(live) if self.plan.decode.dual_batch else None)
                 live = [r for r in live if not r.finished and r.id not in self._given]
             if live:
                 self.runner.decode(live, functools.partial(self._sampled, changed), capture=not self._beside.running,
@@ -236,8 +236,8 @@ class Engine:
     def _knobs(self) -> "Knobs":
         from hybrid.parallel.peer import Knobs
 
-        p = self.plan
-        return Knobs(ring_len=p.ring_len, group=p.slp_group_experts, chunk_tokens=p.slp_chunk_tokens, ep=p.prefill_ep,
+        p = self.plan.prefill
+        return Knobs(ring_len=p.ring_len or None, group=p.slp_group_experts, chunk_tokens=p.slp_chunk_tokens, ep=p.ep,
                      budget_gb=self.peer.budget_gb if self.peer is not None else None)
 
     # -- process outputs --------------------------------------------------------------------------------------
@@ -290,7 +290,7 @@ class Engine:
     def decoder(self, mode: Optional[str] = None) -> Decoder:
         """The decode step (tokens_B1, pos_B1, slots_B, kv_len) -> logits_BV: eager for `off`, else under CUDA
         graphs in that mode (hostfn | segments; captured on first use); None = the plan's."""
-        return self.runner.decoder_for(mode or self.plan.cuda_graphs)
+        return self.runner.decoder_for(mode or self.plan.decode.cuda_graphs)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  on_output: Optional[Callable[[int, RequestOutput], None]] = None) -> list[Completion]:

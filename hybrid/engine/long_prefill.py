@@ -22,7 +22,7 @@ class LongPrefill:
     device: torch.device
     loader: StreamLoader
     slot_bytes: int
-    group: int  # experts computed together (plan.slp_group_experts)
+    group: int  # experts computed together (plan.prefill.slp_group_experts)
     ring_len: Optional[int] = None  # None: as deep as memory allows, per chunk
     budget_gb: Optional[float] = None  # policy.gpu.memory_budget_gb (None: the device's free memory less a reserve)
 

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 class PeerLink:
     def __init__(self, peer: Optional["Peer"], scheduler: Scheduler, beside_decode: bool, streams: bool):
-        """beside_decode: plan.prefill_beside_decode; streams: whether this process stream-loads prompts itself
+        """beside_decode: plan.prefill.beside_decode; streams: whether this process stream-loads prompts itself
         (the scheduler's rules once the peer is gone)."""
         self.peer, self.scheduler = peer, scheduler
         self.beside_decode, self.streams = beside_decode, streams

@@ -1,8 +1,8 @@
 """The model runner: runs the engine's prefill and decode on the placed model and owns the KV cache.
 
 Prefill: a prompt's range into its KV slot, in the step's chunks, by stream-loading (through `long_prefill`, in SLP
-chunks of plan.slp_chunk_tokens), or on both devices with the prefill peer. Decode: one step for the decoding
-requests through the plan's `Decoder` (hybrid/engine/decoder.py), as two micro-batches under plan.dual_batch, half
+chunks of plan.prefill.slp_chunk_tokens), or on both devices with the prefill peer. Decode: one step for the decoding
+requests through the plan's `Decoder` (hybrid/engine/decoder.py), as two micro-batches under plan.decode.dual_batch, half
 a step apart where the decoder staggers (hybrid/engine/staggered.py). Results go back to the loop: logits from a
 prefill, each batch's logits or failure to the loop's `Take` from a decode step."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Optional
 import torch
 
 from hybrid.engine.decoder import DecodeFn, Decoder, Eager, Part, as_decoder
-from hybrid.engine.plan import Plan
+from hybrid.plan.plan import Plan
 from hybrid.engine.requests import Request
 from hybrid.engine.scheduler import Chunk
 from hybrid.engine.staggered import Ahead, Stagger, Take, micro_batches
@@ -32,19 +32,19 @@ class ModelRunner:
                  decode: Optional[Decoder | DecodeFn] = None,
                  long_prefill: Optional[Callable[..., ContextManager]] = None,
                  after_prefill: Optional[Callable[[], None]] = None, staging: Optional[Staging] = None):
-        """cache: the KV slots (default: plan.max_batch x plan.max_context on plan.device); decode: the plan's decode
+        """cache: the KV slots (default: kv.max_batch x kv.max_context on the plan's device); decode: the plan's decode
         strategy (default: eager); long_prefill(tokens): the context in which a prompt's chunk of that many tokens is
         prefilled by stream-loading (None: nothing streams here); after_prefill: called once a prompt is prefilled
         (`refresh`); staging: the CPU experts' hand-off buffers, for graphed decoders made on demand
         (`decoder_for`)."""
-        self.model, self.plan, self.device = model, plan, plan.device
-        self.cache = cache or model.new_cache(plan.max_batch, plan.max_context, plan.device)
+        self.model, self.plan, self.device = model, plan, torch.device(plan.device)
+        self.cache = cache or model.new_cache(plan.kv.max_batch, plan.kv.max_context, self.device)
         self.long_prefill, self.after_prefill, self.staging = long_prefill, after_prefill, staging
         self.refresh_due = False  # after_prefill put off until no step runs ahead
         self.eager = Eager(model, self.cache)
         self.decoder = as_decoder(decode) if decode is not None else self.eager
-        graphed = decode is not None and plan.cuda_graphs != "off"
-        self.graphed: dict[str, "GraphedDecode"] = {plan.cuda_graphs: self.decoder} if graphed else {}
+        graphed = decode is not None and plan.decode.cuda_graphs != "off"
+        self.graphed: dict[str, "GraphedDecode"] = {plan.decode.cuda_graphs: self.decoder} if graphed else {}
         self.stagger = Stagger(self.decoder, self.inputs)
 
     # -- prefill ----------------------------------------------------------------------------------------------
@@ -65,7 +65,7 @@ class ModelRunner:
         starts (the logits are then None); `stream` (ring_len, group, gemm, throttle) goes to long_prefill."""
         if not streamed or self.long_prefill is None:  # nothing to stream with (a CPU whose peer is gone)
             return self.forward(prompt[start:end], start, slot), []
-        pipes, step = [], self.plan.slp_chunk_tokens or (end - start)
+        pipes, step = [], self.plan.prefill.slp_chunk_tokens or (end - start)
         for at in range(start, end, step):
             if cancelled is not None and cancelled.is_set():
                 return None, pipes
@@ -77,9 +77,9 @@ class ModelRunner:
 
     def streamed(self, tokens: int, asked: Optional[bool] = None) -> bool:
         """Whether a prompt of `tokens` tokens is stream-loaded: as asked, else as the scheduler would (longer than
-        plan.slp_cutoff_tokens where stream-loading applies)."""
+        plan.prefill.slp_cutoff_tokens where stream-loading applies)."""
         if asked is None:
-            return self.long_prefill is not None and tokens > self.plan.slp_cutoff_tokens
+            return self.long_prefill is not None and tokens > self.plan.prefill.slp_cutoff_tokens
         if asked and self.long_prefill is None:
             raise RuntimeError("stream-loading prefill needs a GPU and policy.cpu.moe_backend=native")
         return asked
@@ -118,8 +118,8 @@ class ModelRunner:
     def decode(self, live: list[Request], take: Take, capture: bool, busy: Callable[[], bool]) -> None:
         """One decode step for `live`; each batch's logits, or the error that fails it, to `take`. capture: no
         graph capture while another thread uses the GPU; busy(): requests come or go (nothing launched ahead)."""
-        groups = micro_batches(live) if self.plan.dual_batch else [live]
-        if len(groups) == 2 and self.plan.dual_stagger and self.decoder.staggers:
+        groups = micro_batches(live) if self.plan.decode.dual_batch else [live]
+        if len(groups) == 2 and self.plan.decode.dual_stagger and self.decoder.staggers:
             live = self.stagger.step(groups, take, capture, busy)
             if not live:
                 return
@@ -159,6 +159,6 @@ class ModelRunner:
         if mode not in self.graphed:
             from hybrid.engine.cuda_graphs import GraphedDecode  # GPU only
 
-            self.graphed[mode] = GraphedDecode(self.model, self.cache, self.staging, mode, self.plan.max_batch,
-                                               self.plan.cpu_join)
+            self.graphed[mode] = GraphedDecode(self.model, self.cache, self.staging, mode, self.plan.kv.max_batch,
+                                               self.plan.decode.cpu_join)
         return self.graphed[mode]

@@ -56,7 +56,7 @@ class PeerError(RuntimeError):
 
 @dataclass(frozen=True)
 class Knobs:
-    """A command's prefill settings, from the engine's plan (so a rebuild's changes reach the peer): ring slots
+    """A command's prefill settings, from the engine's plan (so a replan's changes reach the peer): ring slots
     (None: as deep as the device's memory allows), experts computed together, stream-loading chunk (0: the whole
     prompt), how two ranks share the experts (policy.prefill.ep), the device memory budget
     (policy.gpu.memory_budget_gb; None: free memory less a reserve)."""
@@ -428,7 +428,7 @@ def _end(proc, kill: bool = False, wait_s: float = 5.0) -> None:
 @dataclass
 class PeerPrefill:
     """A prompt prefilled by the peer alone while the engine's thread goes on stepping decode: the same interface
-    as the engine's prefill beside decode (engine.py `_Beside`), so the engine collects, aborts and fails it the
+    as the engine's prefill beside decode (hybrid/engine/beside.py `Beside`), so the engine collects, aborts and fails it the
     same way. `side`: the CUDA stream the latents are copied on (the engine's stream waits for it when collecting)."""
     chunk: Any
     thread: threading.Thread

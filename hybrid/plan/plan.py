@@ -72,7 +72,7 @@ class PrefillPlan:
     beside_decode: bool
     beside_cores: int
     stream_cap_gbps: float  # 0: no cap
-    stream_queue_mb: int  # 0: no bound
+    stream_queue_mb: float  # 0: no bound
     stream_duty: float  # 1: always at work
     cores_back_in_rests: bool
     beside_sms: int  # SMs the prefill beside decode leaves to decode (0: it takes every SM)
@@ -173,7 +173,7 @@ class Plan:
         if p.beside_decode:
             cap = f"{p.stream_cap_gbps:g} GB/s" if p.stream_cap_gbps else "uncapped"
             if p.stream_queue_mb:
-                cap += f", at most {p.stream_queue_mb} MB of copies queued"
+                cap += f", at most {p.stream_queue_mb:g} MB of copies queued"
             if p.stream_duty < 1:
                 cap += f", at work {p.stream_duty:.0%} of the time"
             cores = (f", decode's experts on {self.decode_threads(True)} threads meanwhile" if p.beside_cores else "")

@@ -126,7 +126,7 @@ def _routes(app: FastAPI, service: Service) -> None:
                 raise APIError(400, str(e), param="messages", code="no_chat_template")
             except Exception as e:
                 raise APIError(400, f"the chat template failed: {type(e).__name__}: {e}", param="messages")
-        return JSONResponse({"count": len(tokens), "max_model_len": engine.plan.max_context, "tokens": tokens})
+        return JSONResponse({"count": len(tokens), "max_model_len": engine.plan.kv.max_context, "tokens": tokens})
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses={
         s: {"model": ErrorResponse} for s in (400, 401, 404, 503)})
@@ -152,7 +152,7 @@ def _docs(app: FastAPI) -> None:
 
 
 def _model_card(service: Service) -> dict[str, Any]:
-    context = service.engine.plan.max_context if service.engine is not None else 0
+    context = service.engine.plan.kv.max_context if service.engine is not None else 0
     return {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "hybrid",
             "max_model_len": context}
 

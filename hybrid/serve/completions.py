@@ -48,7 +48,7 @@ def router(service: Service) -> APIRouter:
         prompt = turn.prompt
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, engine.plan.max_context - len(prompt))
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, engine.plan.kv.max_context - len(prompt))
         top = (body.top_logprobs or 0) if body.logprobs else None
         jobs = service_submit(service, request, [prompt], body, max_tokens, top, turn.processors)
         answer = _Answer(service, "chatcmpl", "chat.completion", jobs, [prompt], body, turn=turn)

@@ -186,7 +186,7 @@ class Service:
 
     def check_text_size(self, chars: int, param: str) -> None:
         """Refuses at once, without tokenising, text too long for any prompt to fit the context."""
-        context = self.ready_engine().plan.max_context
+        context = self.ready_engine().plan.kv.max_context
         if self.token_bytes is not None and chars > context * self.token_bytes:
             raise APIError(400, f"the prompt's {chars} characters are more than {context} tokens (policy.kv."
                                 f"max_context) can hold: at most {self.token_bytes} characters per token",

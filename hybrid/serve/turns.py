@@ -52,7 +52,7 @@ async def start(service: Service, request: Request, spec: TurnSpec) -> Running:
         raise APIError(400, str(e), param=e.param)
     except RequestError as e:  # a schema the grammar library cannot enforce
         raise APIError(400, str(e), param="response_format" if spec.response_format else "tools")
-    max_tokens = spec.max_tokens or max(1, engine.plan.max_context - len(turn.prompt))
+    max_tokens = spec.max_tokens or max(1, engine.plan.kv.max_context - len(turn.prompt))
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if spec.temperature is None else
                                 spec.temperature, top_p=1.0 if spec.top_p is None else spec.top_p,

@@ -4,6 +4,7 @@ or a failure of the streamed prompt touches nothing else, and the stream is pace
 from __future__ import annotations
 
 import collections
+from dataclasses import replace
 
 import threading
 import time
@@ -15,7 +16,7 @@ from hybrid.engine.build import slot_bytes
 from hybrid.engine.decoder import Decoder
 from hybrid.engine.engine import Engine
 from hybrid.placement.passes import cpu_experts, experts_to_cpu_kernels, pin_experts
-from hybrid.engine.plan import Plan
+from hybrid.engine.probe import local_plan
 from hybrid.engine.requests import FinishReason, SamplingParams
 from hybrid.errors import ConfigError
 from hybrid.kernels import thread_pool
@@ -24,6 +25,7 @@ from hybrid.prefill.slp import Pipeline, StreamLoader
 from hybrid.prefill.throttle import Throttle
 from hybrid.weights.checkpoint import Checkpoint
 from hybrid.weights.loader import load_model
+from tests.plans import GPU, gpu_plan
 
 CPU = torch.device("cpu")
 BIG = 1e12
@@ -38,14 +40,18 @@ def hybrid(tiny_dir):
 
 
 def _engine(model, beside: bool = True, cap: float | None = None, budget: float = BIG, context: int = 96,
-            decode: Decoder | None = None, **plan) -> Engine:
+            decode: Decoder | None = None, queue_bytes: int | None = None, **knobs) -> Engine:
+    """cap: the stream's bytes/s while requests decode, queue_bytes: its copies queued at a time (None: none, finer
+    than the policy's MB); knobs: policy paths."""
     loader = StreamLoader()
 
     def long_prefill(tokens, throttle=None, cancel=None, **_):
         return loader.streaming(model, CPU, 2, budget, throttle=throttle, cancel=cancel)
 
-    plan = Plan(max_batch=3, max_context=context, batch_cap=3, prefill_chunk_tokens=8, slp_cutoff_tokens=CUTOFF,
-                prefill_beside_decode=beside, stream_cap_bytes_s=cap, **plan)
+    plan = local_plan({"kv.max_batch": 3, "kv.max_context": context, "decode.batch_cap": 3, "prefill.chunk_tokens": 8,
+                       "prefill.slp_cutoff_tokens": CUTOFF, "prefill.beside_decode": beside, **knobs})
+    plan = replace(plan, prefill=replace(plan.prefill, stream_cap_gbps=(cap or 0) / 1e9,
+                                         stream_queue_mb=(queue_bytes or 0) / 2 ** 20))
     return Engine(model, plan, decode=decode, long_prefill=long_prefill)
 
 
@@ -62,9 +68,9 @@ class _Noting(Decoder):
         return self.engine.runner.eager(*part)
 
 
-def _noted(model, **plan) -> tuple[Engine, list[tuple[bool, int, bool]]]:
+def _noted(model, **knobs) -> tuple[Engine, list[tuple[bool, int, bool]]]:
     note = _Noting()
-    note.engine = _engine(model, decode=note, **plan)
+    note.engine = _engine(model, decode=note, **knobs)
     return note.engine, note.seen
 
 
@@ -126,12 +132,10 @@ def test_decode_goes_on_while_a_long_prompt_streams_and_tokens_equal_solo(hybrid
 def test_decode_leaves_cores_to_a_prompt_streaming_beside_it(hybrid, slow_stream):
     """policy.prefill.beside_cores: while the prompt streams, decode's CPU experts run on that many fewer threads
     (the pool resized between steps, never below one); before and after it, on all of them; tokens unchanged."""
-    from hybrid.engine.plan import decode_threads
-
     before = thread_pool.threads()
     short, long_ = (_prompt(10, 1), _greedy(30)), (_prompt(40, 2), _greedy(4))
     try:
-        engine, noted = _noted(hybrid, threads=2, prefill_beside_cores=1)
+        engine, noted = _noted(hybrid, **{"cpu.threads": 2, "prefill.beside_cores": 1})
         got = _run(engine, {0: [short], 3: [long_]})
         after = thread_pool.threads()
     finally:
@@ -141,9 +145,9 @@ def test_decode_leaves_cores_to_a_prompt_streaming_beside_it(hybrid, slow_stream
     assert seen[0] == (False, 2) and after == 2
     solo = _engine(hybrid).generate([short[0]], short[1])[0].output_ids
     assert got[min(got)][0] == solo
-    p = Plan(threads=16, prefill_beside_cores=2)
-    assert (decode_threads(p, True), decode_threads(p, False)) == (14, 16)
-    assert decode_threads(Plan(threads=2, prefill_beside_cores=4), True) == 1
+    p = local_plan({"cpu.threads": 16, "prefill.beside_cores": 2})
+    assert (p.decode_threads(True), p.decode_threads(False)) == (14, 16)
+    assert local_plan({"cpu.threads": 2, "prefill.beside_cores": 4}).decode_threads(True) == 1
 
 
 def test_held_decode_makes_no_progress_while_a_long_prompt_streams(hybrid, slow_stream):
@@ -257,7 +261,7 @@ def test_a_limited_stream_copies_each_expert_in_pieces_and_keeps_tokens(pinned, 
     monkeypatch.setattr(slp.Pipeline, "_queue", queue)
     bound = None if queued is None else queued * piece
     short, long_ = (_prompt(10, 1), _greedy(60)), (_prompt(40, 2), _greedy(4))
-    got = _run(_engine(pinned, cap=cap, stream_queue_bytes=bound), {0: [short], 2: [long_]})
+    got = _run(_engine(pinned, cap=cap, queue_bytes=bound), {0: [short], 2: [long_]})
     limited = [n for n, on in waits if on]
     experts = sum(len(layer.host_experts) for layer in cpu_experts(pinned))  # each streamed once
     assert sorted(set(limited)) == sorted({piece, slot - 2 * piece}) and len(limited) == 3 * experts, waits[:8]
@@ -268,7 +272,7 @@ def test_a_limited_stream_copies_each_expert_in_pieces_and_keeps_tokens(pinned, 
     for rid, (prompt, params) in zip(sorted(got), (short, long_)):
         assert got[rid][0] == _engine(pinned).generate([prompt], params)[0].output_ids
     waits.clear()
-    _engine(pinned, cap=cap, stream_queue_bytes=bound).generate([long_[0]], long_[1])  # none decodes: whole copies
+    _engine(pinned, cap=cap, queue_bytes=bound).generate([long_[0]], long_[1])  # none decodes: whole copies
     assert [n for n, _ in waits] == [slot] * experts and not any(on for _, on in waits)
 
 
@@ -385,7 +389,8 @@ def test_decode_takes_the_prefills_cores_in_its_rests(hybrid, slow_stream, back)
     before = thread_pool.threads()
     short, long_ = (_prompt(10, 1), _greedy(60)), (_prompt(40, 2), _greedy(4))
     try:
-        engine, seen = _noted(hybrid, threads=2, prefill_beside_cores=1, stream_duty=0.3, cores_back_in_rests=back)
+        engine, seen = _noted(hybrid, **{"cpu.threads": 2, "prefill.beside_cores": 1, "prefill.stream_duty": 0.3,
+                                             "prefill.cores_back_in_rests": back})
         got = _run(engine, {0: [short], 3: [long_]})
     finally:
         thread_pool.set_threads(before)
@@ -403,7 +408,7 @@ def test_a_prefill_at_a_share_of_the_time_beside_decode_keeps_tokens_and_rests_o
     short, long_ = (_prompt(10, 1), _greedy(400)), (_prompt(40, 2), _greedy(3))
 
     def ttft(with_decode: bool):
-        engine = _engine(hybrid, stream_duty=0.25, context=600)
+        engine = _engine(hybrid, context=600, **{"prefill.stream_duty": 0.25})
         got = {}
         if with_decode:
             got[engine.add_request(*short)] = []
@@ -459,33 +464,20 @@ def test_gpu_prefill_beside_graphed_decode_keeps_solo_tokens(cap, sms, duty):
 
 
 def test_the_engine_steps_on_no_stream_off_cuda():
-    from hybrid.engine.streams import PrefillSide, decode_stream, on, prefill_sms
+    from hybrid.engine.streams import PrefillSide, decode_stream, on
 
     assert decode_stream(CPU) is None
     with on(None):  # a no-op: the CPU has no streams
         pass
-    assert prefill_sms(CPU, 16) is None and PrefillSide(CPU, None).stream() is None
-
-
-def test_the_sms_left_to_decode_are_checked():
-    """policy.prefill.beside_sms: the prefill's share is the GPU's SMs less it; none left, or no green contexts in
-    this torch, is a configuration error that says so."""
-    from hybrid.engine.streams import sms_left
-    from hybrid.errors import ConfigError
-
-    assert sms_left(132, 16, True) == 116 and sms_left(132, 131, True) == 1
-    assert sms_left(132, None, True) == 100 and sms_left(60, None, True) == 45  # auto: 32, at most a quarter
-    assert sms_left(132, None, False) is None  # auto without green contexts: every SM
-    with pytest.raises(ConfigError, match="leaves the prefill no SM: this GPU has 132"):
-        sms_left(132, 132, True)
-    with pytest.raises(ConfigError, match="green context, which this torch"):
-        sms_left(132, 16, False)
+    assert PrefillSide(CPU, None).stream() is None
 
 
 def test_a_plan_with_sms_left_to_decode_says_so():
-    banner = Plan(device=torch.device("cuda"), threads=16, prefill_beside_decode=True, prefill_sms=116).describe()
-    assert "its kernels on 116 SMs (a green context)" in banner
-    assert "green context" not in Plan(device=torch.device("cuda"), threads=16, prefill_beside_decode=True).describe()
+    """policy.prefill.beside_sms (null: 32 left to decode where green contexts exist; resolved in
+    tests/plan/test_resolve.py)."""
+    assert "its kernels on 100 SMs (a green context)" in gpu_plan({"prefill.beside_decode": True}).describe()
+    no_green = gpu_plan({"prefill.beside_decode": True}, replace(GPU, green_contexts=False))
+    assert "green context" not in no_green.describe()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

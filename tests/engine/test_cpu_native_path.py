@@ -21,7 +21,7 @@ from hybrid.config.compose import compose, to_settings
 from hybrid.engine.build import build
 from hybrid.engine.engine import Engine
 from hybrid.placement.passes import cpu_experts, experts_to_cpu_kernels, place
-from hybrid.engine.plan import Plan
+from hybrid.engine.probe import local_plan
 from hybrid.engine.requests import SamplingParams
 from hybrid.kernels.dispatch import available
 from hybrid.kernels.fp8_linear import DEFAULT_GEMM, CpuFp8Gemm, Fp8Gemm
@@ -90,7 +90,7 @@ def test_float32_models_are_unchanged_by_the_native_placement(tiny_dir):
 
 
 def _greedy(model, prompt) -> list[int]:
-    engine = Engine(model, Plan(max_batch=1, max_context=64, batch_cap=1))
+    engine = Engine(model, local_plan({"kv.max_batch": 1, "kv.max_context": 64, "decode.batch_cap": 1}))
     return engine.generate([prompt], SamplingParams(STEPS, ignore_eos=True))[0].output_ids
 
 
@@ -146,7 +146,7 @@ def test_the_fp8_lm_head_knob_quantises_lm_head_once_and_keeps_the_logits_close(
 def test_the_lm_head_knob_is_in_the_plan():
     s = to_settings(compose(["+hw=cpu_only", "policy.cpu.lm_head=fp8"]))
     engine = build(s, s.hw, progress=False)
-    assert engine.plan.cpu_lm_head == "fp8" and "lm_head fp8" in engine.plan.describe()
+    assert engine.plan.cpu.lm_head == "fp8" and "lm_head fp8" in engine.plan.describe()
     assert engine.model.lm_head.weight.dtype == fp8.FP8
 
 
@@ -161,10 +161,10 @@ def test_batch_invariance_sets_the_cpu_kernels_one_form(invariant):
     try:
         engine = build(s, s.hw, progress=False)
         want = 1 if invariant else AMX_MIN_TOKENS
-        assert engine.plan.cpu_amx_min_tokens == want and engine.plan.cpu_batch_invariant == invariant
-        outer = engine.plan.cpu_kernel == "avx512_bf16" and not invariant  # the outer-product form's threshold
-        assert engine.plan.cpu_gemm_tile_tokens == (OUTER_MIN_TOKENS if outer else TILE_MIN_TOKENS)
-        assert f"AMX from {want}" in replace(engine.plan, cpu_kernel="amx").describe()
+        assert engine.plan.cpu.amx_min_tokens == want and engine.plan.cpu.batch_invariant == invariant
+        outer = engine.plan.cpu.kernel == "avx512_bf16" and not invariant  # the outer-product form's threshold
+        assert engine.plan.cpu.gemm_tile_tokens == (OUTER_MIN_TOKENS if outer else TILE_MIN_TOKENS)
+        assert f"AMX from {want}" in replace(engine.plan, cpu=replace(engine.plan.cpu, kernel="amx")).describe()
         assert ("one form of sums at every token count" in engine.plan.describe()) == invariant
         # a 2-token GEMM: on the emulated tiles only under a threshold of 1 or 2, else the generic kernel's bits
         x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)

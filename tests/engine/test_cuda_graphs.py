@@ -167,14 +167,8 @@ def test_signalled_host_job_raises_its_word_when_complete(tiny_dir):
         op.host_job(x, ids, w, out, signal=torch.zeros(2, dtype=torch.int32))
 
 
-def test_cpu_join_resolution():
-    from hybrid.engine.cuda_graphs import cpu_join
-    from hybrid.errors import ConfigError
-
-    assert cpu_join(None, True) == "signal" and cpu_join(None, False) == "host"
-    assert cpu_join("host", True) == "host" and cpu_join("signal", True) == "signal"
-    with pytest.raises(ConfigError, match=r"cpu_join=signal needs CUDA stream memory operations"):
-        cpu_join("signal", False)
+def test_cpu_join_is_checked_by_the_schema():
+    """(Resolved with the machine's stream waits: tests/plan/test_resolve.py.)"""
     with pytest.raises(ValueError, match=r"policy\.decode\.cpu_join must be one of null, signal, host"):
         to_settings(compose(["policy.decode.cpu_join=spin"]))
 
@@ -194,10 +188,10 @@ def test_graphed_decode_matches_eager(mode, invariant):
                                  "policy.decode.batch_cap=2", f"policy.decode.batch_invariant={str(invariant).lower()}",
                                  f"policy.decode.cpu_join={join or 'null'}"]))
         engine = build(s, s.hw, progress=False)
-        assert (engine.graphs is None) == (graphs == "off") and engine.plan.cuda_graphs == graphs
+        assert (engine.graphs is None) == (graphs == "off") and engine.plan.decode.cuda_graphs == graphs
         if graphs == "hostfn":
-            assert engine.plan.cpu_join == (join or ("signal" if stream_waits(engine.plan.device) else "host"))
-        assert bool(engine.plan.gpu_pad_rows) == invariant
+            assert engine.plan.decode.cpu_join == (join or ("signal" if stream_waits(engine.device) else "host"))
+        assert bool(engine.plan.gpu.pad_rows) == invariant
         prompts = [list(range(2, 40)), list(range(50, 61))]  # two sequences, then one after the other ends
         out = [c.output_ids for c in engine.generate(prompts, SamplingParams(300))]  # KV buckets 256 -> 512
         outputs.append(out)

@@ -4,6 +4,8 @@ tests hold the logic: the interleaving order, the split, the micro-batches' logi
 requests, the staging lanes, and every request's greedy tokens equal to its solo tokens."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -15,14 +17,15 @@ from hybrid.engine.engine import Engine
 from hybrid.engine.runner import ModelRunner
 from hybrid.engine.staggered import micro_batches
 from hybrid.placement.passes import CpuExperts, experts_to_cpu_kernels
-from hybrid.engine.plan import Plan
+from hybrid.engine.probe import local_plan
 from hybrid.engine.requests import FinishReason, Request, SamplingParams
 from hybrid.placement.staging import Staging
 from hybrid.model.moe import MoE
 from hybrid.models import Checkpoint, load_model
 from tests.engine.test_serving import PLAN, _check_solo, _drive, _greedy, _prompt, _solo
+from tests.plans import gpu_plan
 
-DUAL = Plan(max_batch=3, max_context=96, batch_cap=3, prefill_chunk_tokens=8, dual_batch=True)
+DUAL = local_plan({"kv.max_batch": 3, "kv.max_context": 96, "decode.batch_cap": 3, "prefill.chunk_tokens": 8, "decode.dual_batch": True})
 
 
 def _lane(log: list, name: str, cpu_steps: int) -> list:
@@ -100,7 +103,7 @@ class _DualDecoder(Decoder):
 
 def _with(model, plan: Plan, make, **kw) -> tuple[Engine, Decoder]:
     """An engine whose decoder is make(its eager decoder), given to it as `decode`."""
-    cache = model.new_cache(plan.max_batch, plan.max_context, plan.device)
+    cache = model.new_cache(plan.kv.max_batch, plan.kv.max_context, plan.device)
     dec = make(Eager(model, cache))
     return Engine(model, plan, cache=cache, decode=dec, **kw), dec
 
@@ -145,8 +148,8 @@ def test_staging_lanes_give_each_lane_its_own_fixed_buffers(tiny_dir):
 def test_dual_batch_is_a_policy_knob_in_the_plan():
     s = to_settings(compose(["policy.decode.dual_batch=true", "model=tiny"]))
     assert s.policy.decode.dual_batch is True
-    assert "two micro-batches in turn" in Plan(dual_batch=True).describe()
-    assert "micro-batches" not in Plan().describe()
+    assert "two micro-batches in turn" in local_plan({"decode.dual_batch": True}).describe()
+    assert "micro-batches" not in local_plan().describe()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -171,8 +174,8 @@ def test_graphed_dual_batch_keeps_solo_tokens(graphs):
     got = _drive(engine, {0: [(prompts[0], _greedy(40))], 3: [(prompts[1], _greedy(12))],
                           8: [(prompts[2], _greedy(30))]})
     assert dec.lanes and any(lane.graphs for lane in dec.lanes)
-    assert engine.plan.dual_stagger == (graphs == "hostfn" and not lockstep)
-    assert (len(launched) > 20) == engine.plan.dual_stagger, f"{len(launched)} micro-batch steps launched ahead"
+    assert engine.plan.decode.dual_stagger == (graphs == "hostfn" and not lockstep)
+    assert (len(launched) > 20) == engine.plan.decode.dual_stagger, f"{len(launched)} micro-batch steps launched ahead"
     for prompt, params, tokens, _ in got.values():
         assert tokens == engine.generate([prompt], params)[0].output_ids
 
@@ -199,7 +202,8 @@ def test_dual_without_its_graphs_gives_each_micro_batch_its_logits():
         assert torch.equal(got, want)
 
 
-STAGGER = Plan(max_batch=3, max_context=96, batch_cap=3, prefill_chunk_tokens=8, dual_batch=True, dual_stagger=True)
+# staggering resolves to hostfn graphs only (a GPU): on the CPU the test's staggering decoder stands in for them
+STAGGER = replace(DUAL, decode=replace(DUAL.decode, dual_stagger=True))
 
 
 class _StaggeredDecoder(_DualDecoder):
@@ -299,17 +303,12 @@ def test_staggered_waits_for_graphs_not_captured_yet(tiny_model):
 
 
 def test_dual_batch_auto_is_on_under_hostfn_graphs_only():
-    from hybrid.engine.build import dual_batch
-
-    def policy(*over):
-        return to_settings(compose(["model=tiny", *over])).policy
-
-    assert policy().decode.dual_batch is None
-    assert dual_batch(policy(), graphs=True) is True
-    assert dual_batch(policy("policy.decode.cuda_graphs=segments"), graphs=True) is False
-    assert dual_batch(policy(), graphs=False) is False  # eager or on the CPU: the halves would run in turn
-    assert dual_batch(policy("policy.decode.dual_batch=false"), graphs=True) is False
-    assert dual_batch(policy("policy.decode.dual_batch=true"), graphs=False) is True
+    assert to_settings(compose(["model=tiny"])).policy.decode.dual_batch is None
+    assert gpu_plan().decode.dual_batch is True
+    assert gpu_plan({"decode.cuda_graphs": "segments"}).decode.dual_batch is False
+    assert local_plan().decode.dual_batch is False  # on the CPU the halves would run in turn
+    assert gpu_plan({"decode.dual_batch": False}).decode.dual_batch is False
+    assert local_plan({"decode.dual_batch": True}).decode.dual_batch is True
     from hybrid.config.schema import DecodePolicy
 
     with pytest.raises(ValueError, match="dual_batch"):
@@ -319,8 +318,9 @@ def test_dual_batch_auto_is_on_under_hostfn_graphs_only():
 def test_dual_stagger_is_a_plan_knob_resolved_to_hostfn_graphs():
     s = to_settings(compose(["model=tiny"]))
     assert s.policy.decode.dual_stagger is True
-    assert "half a step apart" in Plan(dual_batch=True, dual_stagger=True, cuda_graphs="hostfn").describe()
-    assert "half a step apart" not in Plan(dual_batch=True, cuda_graphs="hostfn").describe()
+    assert "half a step apart" in gpu_plan().describe()
+    assert "half a step apart" not in gpu_plan({"decode.dual_stagger": False}).describe()
+    assert not gpu_plan({"decode.cuda_graphs": "segments"}).decode.dual_stagger
 
 
 def test_collected_between_steps_the_tokens_go_out_with_the_next_step(tiny_model):

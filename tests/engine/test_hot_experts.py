@@ -9,7 +9,7 @@ import torch
 from hybrid.config.compose import compose, to_settings
 from hybrid.engine.build import build
 from hybrid.engine.engine import Engine
-from hybrid.engine.plan import Plan
+from hybrid.engine.probe import local_plan
 from hybrid.engine.requests import SamplingParams
 from hybrid.placement.hot_experts import HotExperts
 from hybrid.placement.passes import cpu_experts, experts_to_cpu_kernels, hot_experts_to_device
@@ -80,7 +80,7 @@ def test_resident_experts_take_their_share_off_the_cpu_and_the_sum_is_unchanged(
 def test_greedy_decode_with_resident_experts_follows_the_all_cpu_engine(tiny_dir):
     prompt = torch.randint(2, 320, (24,), generator=torch.Generator().manual_seed(3)).tolist()
     plain, _ = _model(tiny_dir)
-    plan, params = Plan(max_batch=1, max_context=64, batch_cap=1), SamplingParams(12, ignore_eos=True)
+    plan, params = local_plan({"kv.max_batch": 1, "kv.max_context": 64, "decode.batch_cap": 1}), SamplingParams(12, ignore_eos=True)
     want = Engine(plain, plan).generate([prompt], params)[0].output_ids
     m, hot = _model(tiny_dir, n_hot=4)
     engine = Engine(m, plan, after_prefill=lambda: [h.refresh() for h in hot])

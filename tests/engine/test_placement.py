@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from hybrid.config.compose import compose, to_settings
-from hybrid.engine.build import build, compute_device
+from hybrid.engine.build import build, plan_for
 from hybrid.engine.engine import Engine
 from hybrid.placement.memory import check_kv_cache
-from hybrid.engine.plan import Plan
+from hybrid.engine.probe import local_plan
 from hybrid.engine.requests import SamplingParams
 from hybrid.placement.passes import (VARIANTS, CpuExperts, DeferredCpuExperts, ExpertsWrapper, cpu_experts,
                                      experts_to_cpu_kernels, pin_experts, place, swap_experts)
@@ -70,7 +70,7 @@ def test_place_gives_the_modules_it_places_the_chosen_gemm_and_fused_kernels(tin
 
 
 def _greedy(model, prompt, n: int) -> list[int]:
-    engine = Engine(model, Plan(max_batch=1, max_context=64, batch_cap=1))
+    engine = Engine(model, local_plan({"kv.max_batch": 1, "kv.max_context": 64, "decode.batch_cap": 1}))
     return engine.generate([prompt], SamplingParams(n, ignore_eos=True))[0].output_ids
 
 
@@ -190,7 +190,7 @@ def test_deferral_needs_fewer_deferred_than_experts(tiny_dir):
 
 def test_cpu_only_profile_runs_on_the_cpu_and_kv_budget_is_checked():
     s = to_settings(compose(["+hw=cpu_only"]))
-    assert compute_device(s.hw) == torch.device("cpu")
+    assert plan_for(s, s.hw).device == "cpu"
     huge = to_settings(compose(["+hw=cpu_only", "policy.kv.max_context=1000000000"]))
     engine = build(s, s.hw, progress=False)
     assert isinstance(cpu_experts(engine.model)[0], CpuExperts)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybrid.engine.engine import Engine
-from hybrid.engine.plan import Plan
+from hybrid.engine.probe import local_plan
 from hybrid.engine.requests import RequestError, SamplingParams
 from hybrid.engine.sampler import Sampler, choose
 
@@ -85,7 +85,7 @@ def test_bad_knobs_are_refused():
 
 
 def test_engine_hands_back_logprobs_and_refuses_unknown_ids(tiny_model):
-    engine = Engine(tiny_model, Plan(max_batch=2, max_context=32, batch_cap=2))
+    engine = Engine(tiny_model, local_plan({"kv.max_batch": 2, "kv.max_context": 32, "decode.batch_cap": 2}))
     prompt = [5, 9, 2, 7]
     done = engine.generate([prompt, prompt], [SamplingParams(6, logprobs=3), SamplingParams(6)])
     outs = []

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from hybrid.engine.engine import Engine
-from hybrid.engine.plan import Plan
+from hybrid.engine.probe import local_plan
 from hybrid.engine.requests import FinishReason, RequestError, SamplingParams
 from hybrid.engine.scheduler import Scheduler
 from hybrid.engine.requests import Request, State
 from hybrid.tokenizer import Tokenizer
 
-PLAN = Plan(max_batch=3, max_context=96, batch_cap=3, prefill_chunk_tokens=8)
+PLAN = local_plan({"kv.max_batch": 3, "kv.max_context": 96, "decode.batch_cap": 3, "prefill.chunk_tokens": 8})
 
 
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:
@@ -107,7 +107,7 @@ def test_chunked_prefill_while_two_others_decode(tiny_model):
 
 def test_batch_cap_bounds_the_running_requests(tiny_model):
     v = tiny_model.args.vocab_size
-    engine = _engine(tiny_model, Plan(max_batch=3, max_context=96, batch_cap=2, prefill_chunk_tokens=64))
+    engine = _engine(tiny_model, local_plan({"kv.max_batch": 3, "kv.max_context": 96, "decode.batch_cap": 2, "prefill.chunk_tokens": 64}))
     for i in range(3):
         engine.add_request(_prompt(5, i, v), _greedy(4))
     seen = 0
@@ -119,7 +119,7 @@ def test_batch_cap_bounds_the_running_requests(tiny_model):
 
 def test_abort_frees_the_slot_for_the_next_request(tiny_model):
     v = tiny_model.args.vocab_size
-    plan = Plan(max_batch=1, max_context=96, batch_cap=1, prefill_chunk_tokens=64)
+    plan = local_plan({"kv.max_batch": 1, "kv.max_context": 96, "decode.batch_cap": 1, "prefill.chunk_tokens": 64})
     engine = _engine(tiny_model, plan)
     first = engine.add_request(_prompt(5, 1, v), _greedy(50))
     second = engine.add_request(_prompt(6, 2, v), _greedy(5))
@@ -259,7 +259,7 @@ def test_chunk_boundaries_do_not_depend_on_batch_mates_in_bf16(tiny_dir):
 
     model = load_model(Checkpoint(tiny_dir), torch.bfloat16, progress=False)
     v = model.args.vocab_size
-    plan = Plan(max_batch=4, max_context=256, batch_cap=4, prefill_chunk_tokens=16)
+    plan = local_plan({"kv.max_batch": 4, "kv.max_context": 256, "decode.batch_cap": 4, "prefill.chunk_tokens": 16})
     mates = [(_prompt(64, 1, v), _greedy(4)), (_prompt(23, 2, v), _greedy(4))]
     for seed in range(4):
         mine = (_prompt(17, 10 + seed, v), _greedy(10))
@@ -287,7 +287,7 @@ def test_a_finished_request_leaves_nothing_in_its_kv_slot(tiny_model):
     """Decode reads a slot past its own length (masked, but 0 x NaN is NaN): whatever a request wrote is zeroed
     when it ends, so a non-finite value it left cannot reach the slot's next occupant."""
     v = tiny_model.args.vocab_size
-    plan = Plan(max_batch=2, max_context=96, batch_cap=2, prefill_chunk_tokens=64)
+    plan = local_plan({"kv.max_batch": 2, "kv.max_context": 96, "decode.batch_cap": 2, "prefill.chunk_tokens": 64})
     engine = _engine(tiny_model, plan)
     first = engine.add_request(_prompt(50, 1, v), _greedy(40))
     for _ in range(4):

@@ -71,7 +71,7 @@ def test_mla_decode_under_the_interpreter():
 ENGINE = textwrap.dedent("""
     import sys, torch
     from hybrid.engine.engine import Engine
-    from hybrid.engine.plan import Plan
+    from hybrid.engine.probe import local_plan
     from hybrid.engine.requests import SamplingParams
     from hybrid.kernels.fp8_linear import Fp8Gemm
     from hybrid.model.layers import Linear
@@ -86,7 +86,7 @@ ENGINE = textwrap.dedent("""
                 mod.gemm = gemm
         return m
 
-    plan = Plan(max_batch=3, max_context=300, batch_cap=3, prefill_chunk_tokens=8)
+    plan = local_plan({"kv.max_batch": 3, "kv.max_context": 300, "decode.batch_cap": 3, "prefill.chunk_tokens": 8})
     m = model(True)
     assert all(mla.kv_b_proj.gemm.attends_from_cache(torch.empty(1)) for mla in
                [x for x in m.modules() if type(x).__name__ == "MLA"])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hybrid.engine.engine import Engine
-from hybrid.engine.plan import Plan
+from hybrid.engine.probe import local_plan
 from hybrid.engine.requests import RequestError, SamplingParams
 from hybrid.engine.sampler import Sampler, choose
 
@@ -13,7 +13,7 @@ ATOL = 1e-4
 
 
 def _generate(m, prompts, n: int, slots: int = 1, context: int = 64, ignore_eos: bool = True) -> list[list[int]]:
-    engine = Engine(m, Plan(max_batch=slots, max_context=context, batch_cap=slots))
+    engine = Engine(m, local_plan({"kv.max_batch": slots, "kv.max_context": context, "decode.batch_cap": slots}))
     return [c.output_ids for c in engine.generate(prompts, SamplingParams(n, ignore_eos=ignore_eos))]
 
 
@@ -60,7 +60,7 @@ def test_generation_stops_at_eos_and_respects_limits(tiny_model):
     m = tiny_model
     prompt = _prompt(5, 1, m.args.vocab_size)
     first = _generate(m, [prompt], 4)[0]
-    engine = Engine(m, Plan(max_batch=1, max_context=16, batch_cap=1))
+    engine = Engine(m, local_plan({"kv.max_batch": 1, "kv.max_context": 16, "decode.batch_cap": 1}))
     engine.eos_ids = frozenset({first[1]})
     stopped = engine.generate([prompt], SamplingParams(4))[0]
     assert stopped.output_ids == first[:2] and stopped.finish_reason.value == "stop"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybrid.engine.engine import Engine
-from hybrid.engine.plan import Plan
+from hybrid.engine.probe import local_plan
 from hybrid.engine.requests import SamplingParams
 from hybrid.errors import ConfigError
 from hybrid.placement.passes import experts_to_cpu_kernels, hot_experts_to_device, pin_experts
@@ -65,7 +65,7 @@ def test_bf16_reference_path_is_the_dequantised_bf16_checkpoint(kimi_int4_dir, t
     with torch.no_grad():
         logits = [m(prompt[None], torch.arange(12)[None])[0] for m in (int4_model, bf16_model)]
     assert torch.equal(*logits)
-    tokens = [Engine(m, Plan(max_batch=1, max_context=64, batch_cap=1)).generate(
+    tokens = [Engine(m, local_plan({"kv.max_batch": 1, "kv.max_context": 64, "decode.batch_cap": 1})).generate(
         [prompt.tolist()], SamplingParams(16, ignore_eos=True))[0].output_ids for m in (int4_model, bf16_model)]
     assert tokens[0] == tokens[1]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybrid.engine.engine import Engine
-from hybrid.engine.plan import Plan
+from hybrid.engine.probe import local_plan
 from hybrid.engine.requests import SamplingParams
 from hybrid.placement.passes import experts_to_cpu_kernels
 from hybrid.weights.checkpoint import Checkpoint
@@ -86,7 +86,7 @@ def test_greedy_generation_matches_reference(pair):
     ours, ref, (_, _, tie) = pair
     prompt = _prompts(ours.args.vocab_size, (12,))[0]
     want, margins = _reference_greedy(ref, prompt, STEPS)
-    got = Engine(ours, Plan(max_batch=1, max_context=64, batch_cap=1)).generate(
+    got = Engine(ours, local_plan({"kv.max_batch": 1, "kv.max_context": 64, "decode.batch_cap": 1})).generate(
         [prompt.tolist()], SamplingParams(STEPS, ignore_eos=True))[0].output_ids
     first_tie = next((i for i, m in enumerate(margins) if m < tie), STEPS)
     assert got[: first_tie + 1] == want[: first_tie + 1], f"diverged before the first near-tie (step {first_tie})"

@@ -111,7 +111,7 @@ def _tokens(outs, rid) -> list[int]:
 
 def test_a_long_prompt_with_nothing_decoding_is_prefilled_by_both_ranks(one, two):
     engine = two()
-    assert isinstance(engine.peer, Peer) and engine.plan.prefill_gpus == 2 and engine.scheduler.long_cutoff == CUTOFF
+    assert isinstance(engine.peer, Peer) and engine.plan.prefill.gpus == 2 and engine.scheduler.long_cutoff == CUTOFF
     prompt = _prompt(41, 2)  # odd: the ranks' halves differ by one
     rid = engine.add_request(prompt, _greedy(6))
     outs = _first_token(engine, rid)

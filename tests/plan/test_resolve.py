@@ -5,27 +5,19 @@ from __future__ import annotations
 from dataclasses import fields, is_dataclass, replace
 
 import pytest
-from omegaconf import OmegaConf
 
 from hybrid.config.compose import CONF_DIR, compose, to_settings
-from hybrid.config.schema import GpuSpec, HwConfig, PolicyConfig
+from hybrid.config.schema import PolicyConfig
 from hybrid.errors import ConfigError
-from hybrid.model.args import ModelArgs
-from hybrid.weights.presets import DEEPSEEK_V3
-from hybrid.plan.resolve import AUTO_GROUP, AUTO_SMS_LEFT, Probe, resolve, resolve_memory
+from hybrid.plan.resolve import AUTO_GROUP, AUTO_SMS_LEFT, resolve, resolve_memory
+from tests import plans
+from tests.plans import ARGS, CPU, GPU, hw as _hw
 
 PROFILES = sorted(p.stem for p in (CONF_DIR / "hw").glob("*.yaml"))
-CPU = Probe(physical_cores=8, cpu_missing={"amx": "amx_tile", "avx512_bf16": None, "avx512": None, "avx2": None,
-                                           "generic": None}, kernel_env=None, cuda=False)
-GPU = replace(CPU, cuda=True, gpu_count=2, sms=132, green_contexts=True, stream_waits=True, grouped_gemm=True)
-ARGS = ModelArgs.from_hf_config(DEEPSEEK_V3)  # DeepSeek-V3's shape
 
 
 def policy(**knobs) -> PolicyConfig:
-    node = OmegaConf.structured(PolicyConfig)
-    for path, value in knobs.items():
-        OmegaConf.update(node, path.replace("__", "."), value, merge=False)
-    return OmegaConf.to_object(node)
+    return plans.policy({path.replace("__", "."): value for path, value in knobs.items()})
 
 
 def nulls(obj, prefix: str = "") -> list[str]:
@@ -147,8 +139,6 @@ def test_the_plan_is_frozen_and_named_as_the_policy():
     assert knobs <= set(plan.params()), sorted(knobs - set(plan.params()))
 
 
-def _hw(gpus: int = 0) -> HwConfig:
-    return HwConfig(name="test", gpus=[GpuSpec(name="test GPU", memory_gb=80) for _ in range(gpus)])
 
 
 def test_amx_overlap_reaches_the_kernels(monkeypatch):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 import time
 import warnings
 
@@ -10,7 +11,7 @@ import torch
 
 from hybrid.engine.engine import Engine
 from hybrid.placement.memory import auto_ring_len
-from hybrid.engine.plan import Plan
+from hybrid.engine.probe import local_plan
 from hybrid.engine.requests import SamplingParams
 from hybrid.placement.passes import cpu_experts, experts_to_cpu_kernels, pin_experts
 from hybrid.errors import ConfigError
@@ -320,8 +321,10 @@ def _recording(hybrid, calls: list):
 
 
 def _engine(model, long_prefill=None, cutoff: int = 0, chunk: int = 0) -> Engine:
-    return Engine(model, Plan(max_batch=1, max_context=64, batch_cap=1, slp_cutoff_tokens=cutoff,
-                              slp_chunk_tokens=chunk), long_prefill=long_prefill)
+    plan = local_plan({"kv.max_batch": 1, "kv.max_context": 64, "decode.batch_cap": 1,
+                       "prefill.slp_cutoff_tokens": cutoff})
+    plan = replace(plan, prefill=replace(plan.prefill, slp_chunk_tokens=chunk))  # on the CPU nothing streams itself
+    return Engine(model, plan, long_prefill=long_prefill)
 
 
 def _first(engine: Engine, prompt, n: int = 1) -> list[int]:

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Iterator
 
 from hybrid.engine.engine import Engine
-from hybrid.engine.plan import Plan
+from hybrid.engine.probe import local_plan
 from hybrid.serve import ServerConfig, ServerThread, create_app
 from hybrid.tokenizer import Tokenizer
 from hybrid.weights.tokenizer_files import write_byte_tokenizer
 
-PLAN = Plan(max_batch=4, max_context=2048, batch_cap=4, prefill_chunk_tokens=512)
+PLAN = local_plan({"kv.max_batch": 4, "kv.max_context": 2048, "decode.batch_cap": 4, "prefill.chunk_tokens": 512})
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
            "required": ["city", "unit"], "additionalProperties": False}

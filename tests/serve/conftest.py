@@ -12,12 +12,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hybrid.engine.engine import Engine
-from hybrid.engine.plan import Plan
+from hybrid.engine.probe import local_plan
 from hybrid.serve import ServerConfig, ServerThread, create_app
 from hybrid.tokenizer import Tokenizer
 
 MODEL = "tiny"
-PLAN = Plan(max_batch=4, max_context=128, batch_cap=4, prefill_chunk_tokens=64)
+PLAN = local_plan({"kv.max_batch": 4, "kv.max_context": 128, "decode.batch_cap": 4, "prefill.chunk_tokens": 64})
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import time
 import torch
 
 from hybrid.engine.engine import Engine
-from hybrid.engine.plan import Plan
+from hybrid.engine.probe import local_plan
 from hybrid.serve import ServerConfig, serve
 from hybrid.tokenizer import Tokenizer
 from hybrid.weights.checkpoint import Checkpoint
@@ -23,7 +23,7 @@ def main() -> None:
 
     def loader() -> Engine:
         engine = Engine(load_model(Checkpoint(path), torch.float32, progress=False),
-                        Plan(max_batch=4, max_context=128, batch_cap=4), Tokenizer(path))
+                        local_plan({"kv.max_batch": 4, "kv.max_context": 128, "decode.batch_cap": 4}), Tokenizer(path))
         step = engine.step
 
         def slow_step():

@@ -177,7 +177,7 @@ def test_bad_requests_get_openai_errors_never_422_or_5xx(server):
     assert "must be token ids" in _post(server, comp, {"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}},
                                         400)["message"]
     err = _post(server, comp, {"model": MODEL, "prompt": [5] * 100, "max_tokens": 40}, 400)
-    assert f"prompt of 100 tokens + max_tokens 40 = 140 exceeds the {PLAN.max_context}" in err["message"]
+    assert f"prompt of 100 tokens + max_tokens 40 = 140 exceeds the {PLAN.kv.max_context}" in err["message"]
     assert "out of range" in _post(server, comp, {"model": MODEL, "prompt": [5, 10**6]}, 400)["message"]
     assert "empty" in _post(server, comp, {"model": MODEL, "prompt": "x", "stop": ""}, 400)["message"]
     err = _post(server, "/v1/nothing", {}, 404)
@@ -203,7 +203,7 @@ def test_models_health_metrics_and_openapi(server, client):
                  "hybrid_e2e_request_latency_seconds_count", "hybrid_engine_step_seconds_count",
                  "hybrid_prompt_tokens_total", "hybrid_generation_tokens_total"):
         assert m[name] > 0, name
-    assert m["hybrid_kv_slots_total"] == PLAN.max_batch
+    assert m["hybrid_kv_slots_total"] == PLAN.kv.max_batch
     spec = httpx.get(f"{server.url}/openapi.json").json()
     chat = spec["paths"]["/v1/chat/completions"]["post"]
     assert "422" not in chat["responses"] and {"400", "404", "429", "500", "503"} <= set(chat["responses"])

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from hybrid.engine.engine import Engine
-from hybrid.engine.plan import Plan
+from hybrid.engine.probe import local_plan
 from hybrid.serve import ServerConfig
 from tests.serve.conftest import MODEL, PLAN, client_for, running
 
@@ -72,7 +72,7 @@ def test_a_large_body_freezes_nothing(tiny_model, tiny_tok):
 
 
 def test_a_burst_with_free_slots_is_all_admitted(tiny_model, tiny_tok):
-    eight = Plan(max_batch=8, max_context=128, batch_cap=8, prefill_chunk_tokens=64)
+    eight = local_plan({"kv.max_batch": 8, "kv.max_context": 128, "decode.batch_cap": 8, "prefill.chunk_tokens": 64})
     engine = Engine(tiny_model, eight, tiny_tok)
     step = engine.step
 

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from hybrid.engine.engine import Engine
-from hybrid.engine.plan import Plan
+from hybrid.engine.probe import local_plan
 from hybrid.errors import CheckpointError
 from hybrid.serve import ServerConfig
 from hybrid.serve.load import Workload
@@ -38,7 +38,7 @@ def test_api_key_guards_every_route_but_health(tiny_model, tiny_tok):
 
 
 def test_a_full_queue_answers_429_with_retry_after(tiny_model, tiny_tok):
-    one_slot = Plan(max_batch=1, max_context=128, batch_cap=1, prefill_chunk_tokens=64)
+    one_slot = local_plan({"kv.max_batch": 1, "kv.max_context": 128, "decode.batch_cap": 1, "prefill.chunk_tokens": 64})
     with running(Engine(tiny_model, one_slot, tiny_tok), ServerConfig(max_waiting=2)) as srv:
         c = client_for(srv)
         streams, refused = [], None

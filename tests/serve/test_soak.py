@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from hybrid.engine.engine import Engine
-from hybrid.engine.plan import Plan
+from hybrid.engine.probe import local_plan
 from hybrid.serve import ServerConfig
 from tests.serve.conftest import MODEL, running, wait_idle
 
@@ -30,7 +30,7 @@ def _rss_mb() -> float:
 
 @pytest.mark.slow
 def test_soak_32_streaming_clients(tiny_model, tiny_tok):
-    plan = Plan(max_batch=8, max_context=128, batch_cap=8, prefill_chunk_tokens=64)
+    plan = local_plan({"kv.max_batch": 8, "kv.max_context": 128, "decode.batch_cap": 8, "prefill.chunk_tokens": 64})
     samples: list[tuple[float, float]] = []
     stop = threading.Event()
 

@@ -46,7 +46,7 @@ def test_goodput_study(conf, mlflow_runs, tuner_runs, tmp_path):
     assert len(children) == 3 and all(r.info.status == "FINISHED" for r in children)
     assert {"goodput_req_s", "ttft_p90_s", "tpot_p90_s", "slo_attainment", "trial.seconds"} <= set(
         children[0].data.metrics)
-    assert {"policy.decode.batch_cap", "workload.requests", "plan.batch_cap"} <= set(children[0].data.params)
+    assert {"policy.decode.batch_cap", "workload.requests", "plan.decode.batch_cap"} <= set(children[0].data.params)
     plots = {a.path for a in c.list_artifacts(parent.info.run_id, "plots")}
     assert {"plots/objective_vs_knobs.png", "plots/pareto_front.png", "plots/optimization_history.png"} <= plots
     assert parent.data.metrics["trial.seconds.mean"] > 0 and parent.data.metrics["worker.starts"] == 1

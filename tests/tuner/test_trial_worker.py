@@ -30,7 +30,7 @@ def test_worker_reuses_its_model_and_restarts_when_it_must(conf, tuner_runs, tmp
                        log(1))
         assert second.status == "ok", second.detail
         assert not second.started and second.builds == 1 and second.pid == first.pid, "the model loaded once"
-        assert second.report["plan"]["batch_cap"] == 2 and second.report["threads"] == 2
+        assert second.report["plan"]["decode.batch_cap"] == 2 and second.report["threads"] == 2
         slo = w.run((), {**_trial(10), "measure": "slo"}, 120, log(10))  # tuner.objective=decode_tok_s
         assert slo.status == "ok" and not slo.started and slo.metrics["decode_tok_s"] > 0, slo.detail
         print(f"\nfirst trial {first.seconds:.2f} s (build {first.build_s:.2f} s, measure {first.measure_s:.2f} s); "
@@ -55,7 +55,7 @@ def test_worker_reuses_its_model_and_restarts_when_it_must(conf, tuner_runs, tmp
         died = w.run((), _trial(6), 120, log(6))
         assert died.status == "crash" and "exited with status 3" in died.detail
         reloaded = w.run(("cpu.moe_backend=torch",), _trial(7, **{"cpu.moe_backend": "torch"}), 120, log(7))
-        assert reloaded.status == "ok" and reloaded.started and reloaded.report["plan"]["moe_backend"] == "torch"
+        assert reloaded.status == "ok" and reloaded.started and reloaded.report["plan"]["cpu.moe_backend"] == "torch"
         refused = w.run(("cpu.moe_backend=torch",), _trial(8, **{"decode.batch_cap": 99}), 120, log(8))
         assert refused.status == "crash" and "policy.decode.batch_cap" in refused.detail
         kept = w.run(("cpu.moe_backend=torch",), _trial(9, **{"cpu.moe_backend": "torch"}), 120, log(9))

@@ -1,5 +1,6 @@
-"""`rebuild`: a new Engine around the placed model for a policy that differs in rebuildable knobs only (what the
-tuner's trial worker does between trials), and the workload driven straight at it (hybrid/bench/workload.py)."""
+"""`replan`: a new Engine around the placed model for a policy whose plan differs only where placement does not
+read (what the tuner's trial worker does between trials), and the workload driven straight at it
+(hybrid/bench/workload.py)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -9,7 +10,8 @@ import pytest
 from hybrid.bench.serve import workload
 from hybrid.bench.workload import drive, warm_up
 from hybrid.config.compose import compose, to_settings
-from hybrid.engine.build import REBUILDABLE, build, rebuild
+from hybrid.engine.build import build, replan
+from hybrid.plan.plan import rebuildable
 from hybrid.engine.requests import SamplingParams
 from hybrid.errors import ConfigError
 from hybrid.serve.load import Workload
@@ -21,22 +23,22 @@ def settings():
     return to_settings(compose(["+hw=cpu_only", "policy.kv.max_batch=4", "policy.decode.batch_cap=2"]))
 
 
-def test_rebuild_keeps_the_model_and_applies_the_knobs(settings):
+def test_replan_keeps_the_model_and_applies_the_knobs(settings):
     s = settings
     engine = build(s, s.hw, progress=False)
     want = engine.generate([list(range(3, 40))], SamplingParams(8))[0].output_ids
     s2 = replace(s, policy=checked(s.policy, {"decode.batch_cap": 4, "prefill.chunk_tokens": 16, "cpu.threads": 1,
                                               "cpu.gemm_tile_tokens": 8}))
-    again = rebuild(engine, s2, s.hw)
+    again = replan(engine, s2, s.hw)
     assert again.model is engine.model and again.cache is engine.cache
-    assert (again.plan.batch_cap, again.plan.prefill_chunk_tokens, again.plan.threads) == (4, 16, 1)
+    assert (again.plan.decode.batch_cap, again.plan.prefill.chunk_tokens, again.plan.cpu.threads) == (4, 16, 1)
     assert again.scheduler.batch_cap == 4 and again.scheduler.chunk_tokens == 16
     got = again.generate([list(range(3, 40))], SamplingParams(8))[0].output_ids
     assert got[:4] == want[:4]  # chunked differently: the same first tokens (last bits may differ)
     moved = replace(s, policy=checked(s.policy, {"cpu.moe_backend": "torch"}))
     with pytest.raises(ConfigError, match=r"policy\.cpu\.moe_backend changed"):
-        rebuild(again, moved, s.hw)
-    assert "cpu.moe_backend" not in REBUILDABLE and "decode.batch_cap" in REBUILDABLE
+        replan(again, moved, s.hw)
+    assert "cpu.moe_backend" not in rebuildable() and "decode.batch_cap" in rebuildable()
 
 
 @pytest.mark.parametrize("arrivals", [{"concurrency": 2}, {"rate": 50.0}])
