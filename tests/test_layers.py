@@ -1,6 +1,7 @@
 """The packages form layers: no import circle between them, function-level and TYPE_CHECKING imports included
-(a circle hidden in a function is still a circle), and the config schema imports nothing of the engine or the
-benchmarks. The graph is read from the source with ast, so nothing is imported to check it."""
+(a circle hidden in a function is still a circle), the config schema imports nothing of the engine or the
+benchmarks, and of the engine only build.py imports the parallel package. The graph is read from the source with ast,
+so nothing is imported to check it."""
 from __future__ import annotations
 
 import ast
@@ -93,3 +94,12 @@ def test_schema_imports_neither_engine_nor_benchmarks():
     names = _imports(ROOT / "hybrid/config/schema.py")
     bad = sorted(n for n in names if n.startswith(("hybrid.engine", "hybrid.bench")))
     assert not bad, f"hybrid/config/schema.py imports {bad}"
+
+
+def test_the_engine_reaches_the_parallel_peer_through_its_protocol():
+    """Only build.py, which starts the peer process, imports hybrid.parallel; the rest of the engine sees the peer
+    as peer_link.PrefillPeer."""
+    bad = {str(path.relative_to(ROOT)): sorted(n for n in _imports(path) if n.startswith("hybrid.parallel"))
+           for path in sorted(ROOT.glob("hybrid/engine/*.py")) if path.name != "build.py"}
+    bad = {path: names for path, names in bad.items() if names}
+    assert not bad, f"the engine imports the parallel package outside build.py: {bad}"

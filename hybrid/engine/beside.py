@@ -1,6 +1,6 @@
 """A stream-loading prefill beside decode (policy.prefill.beside_decode): one prompt at a time on a thread of its own
 (and its own CUDA stream, on the SMs plan.prefill_sms leaves it), or on the prefill peer's device
-(hybrid/parallel/peer.py `PeerPrefill`), while the engine's thread goes on stepping decode. The weights stay one
+(peer_link.py `PrefillPeer.beside`), while the engine's thread goes on stepping decode. The weights stay one
 copy in host memory: decode's CPU experts read them there, the prefill streams them through the GPU.
 
 While it runs, its stream's limits apply while requests decode (plan.prefill.stream_cap_gbps, stream_queue_mb,
@@ -11,20 +11,18 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from hybrid.plan.plan import Plan
+from hybrid.engine.peer_link import BesideJob, PrefillPeer
 from hybrid.engine.requests import Request
 from hybrid.engine.runner import ModelRunner
 from hybrid.engine.scheduler import Chunk
 from hybrid.engine.streams import PrefillSide
 from hybrid.kernels import thread_pool
 from hybrid.prefill.throttle import Throttle
-
-if TYPE_CHECKING:
-    from hybrid.parallel.peer import Knobs, Peer, PeerPrefill
 
 
 @dataclass
@@ -69,7 +67,7 @@ class BesideDecode:
 
     def __init__(self, runner: ModelRunner, plan: Plan):
         self.runner, self.plan = runner, plan
-        self.job: Optional[Beside | "PeerPrefill"] = None
+        self.job: Optional[BesideJob] = None
         self.throttle = Throttle()
         self._side = PrefillSide(runner.device, plan.prefill_sms)  # where a prompt beside decode computes
 
@@ -82,13 +80,11 @@ class BesideDecode:
         """The chunk being prefilled beside decode."""
         return self.job.chunk if self.job is not None else None
 
-    def start(self, chunk: Chunk, peer: Optional["Peer"], knobs: Optional["Knobs"]) -> None:
+    def start(self, chunk: Chunk, peer: Optional[PrefillPeer]) -> None:
         """A stream-loaded prompt beside decode: on the peer's device when there is a peer (this device keeps
         decoding at full speed), else on a thread of this process. Raises where neither can start."""
         if peer is not None and chunk.streamed and chunk.start == 0:
-            from hybrid.parallel.peer import PeerPrefill
-
-            self.job = PeerPrefill.start(peer, chunk, self.runner.cache, knobs)
+            self.job = peer.beside(chunk, self.runner.cache, self.plan.prefill, self.plan.gpu.memory_budget_gb)
         else:
             self.job = Beside.start(self.runner, chunk, self._side.stream(), self.throttle)
 
@@ -100,7 +96,7 @@ class BesideDecode:
         self.job.cancel()
         return True
 
-    def collect(self, wait: bool) -> Optional[Beside | "PeerPrefill"]:
+    def collect(self, wait: bool) -> Optional[BesideJob]:
         """The prefill, once it has ended (its thread joined, its KV writes and logits ordered before what the
         engine's stream runs next); None while it runs. `wait`: wait a moment for it."""
         b = self.job

@@ -205,7 +205,7 @@ def start_peer(placed: Placed, s: HybridConfig):
     threads = max(1, plan.cpu.threads // 2)
     loader = placed.loader or StreamLoader(placed.gemm)  # rank 0's share streams (the CPU stand-in: on the CPU)
     peer = Peer.start(peer_model, (s.model, plan, threads), placed.arenas, placed.device, plan.kv.max_context,
-                      loader, plan.gpu.memory_budget_gb or None, threads=threads)
+                      loader, threads=threads)
     print(f"prefill peer: process {peer.pid} on {peer.device} (policy.prefill.gpus={plan.prefill.gpus}, experts "
           f"by {plan.prefill.ep})", file=sys.stderr)
     return peer

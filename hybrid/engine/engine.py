@@ -22,7 +22,7 @@ from hybrid.engine.inbox import Inbox, check
 from hybrid.engine.outputs import OutputProcessor, error_text
 from hybrid.plan.plan import Plan
 from hybrid.engine.requests import FinishReason, Request, RequestOutput, SamplingParams, State
-from hybrid.engine.peer_link import PeerLink
+from hybrid.engine.peer_link import PeerLink, PrefillPeer
 from hybrid.engine.runner import ModelRunner
 from hybrid.engine.scheduler import Chunk, Scheduler
 from hybrid.engine.staggered import micro_batches
@@ -36,7 +36,6 @@ from hybrid.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from hybrid.engine.build import Placed
     from hybrid.engine.cuda_graphs import GraphedDecode
-    from hybrid.parallel.peer import Knobs, Peer
 
 
 class Engine:
@@ -44,7 +43,7 @@ class Engine:
                  cache: Optional[KVCache] = None, decode: Optional[Decoder | DecodeFn] = None,
                  long_prefill: Optional[Callable[..., ContextManager]] = None,
                  after_prefill: Optional[Callable[[], None]] = None, placed: Optional["Placed"] = None,
-                 hot: Sequence[HotExperts] = (), peer: Optional["Peer"] = None):
+                 hot: Sequence[HotExperts] = (), peer: Optional[PrefillPeer] = None):
         """cache, decode (a Decoder or a step function), long_prefill, after_prefill: the model runner's
         (ModelRunner). `placed`: what placement made (build.py's Placed: staging, stream loader, GEMM, ...), `hot`:
         the hot experts. `peer`: the second prefill device's process (hybrid/parallel/peer.py, started by build()
@@ -67,7 +66,7 @@ class Engine:
         self._held: dict[int, Request] = {}  # ... collected between steps (close, prefill): reported by the next
         # the steps' GPU work, at the device's highest priority: ahead of a prefill streaming beside decode
         self.stream = decode_stream(self.device)
-        self._beside = BesideDecode(self.runner, plan)
+        self.beside = BesideDecode(self.runner, plan)  # the prompt prefilled beside decode (`job`), if any
         self.last_step_s = 0.0
 
     # -- requests ---------------------------------------------------------------------------------------------
@@ -96,11 +95,11 @@ class Engine:
         """Stops a prefill beside decode (at its next expert; its request then finishes as aborted) and waits for its
         thread, then the prefill peer's process; steps may follow, on this one device."""
         self._drain_between_steps()
-        self._beside.close(timeout_s)
+        self.beside.close(timeout_s)
         self._link.close(timeout_s)
 
     @property
-    def peer(self) -> Optional["Peer"]:
+    def peer(self) -> Optional[PrefillPeer]:
         """The second prefill device's process, while it serves (None: one device)."""
         return self._link.peer
 
@@ -146,7 +145,7 @@ class Engine:
         plan = self.scheduler.plan()
         if plan.prefill:
             self._drain_ahead(changed)  # a prefill calls the layers' native ops
-        self._beside.pace(decoding=bool(plan.decode))
+        self.beside.pace(decoding=bool(plan.decode))
         try:
             self._size_pool(changed)
             for chunk in plan.prefill:
@@ -156,10 +155,10 @@ class Engine:
                 self._drain_ahead(changed, micro_batches(live) if self.plan.decode.dual_batch else None)
                 live = [r for r in live if not r.finished and r.id not in self._given]
             if live:
-                self.runner.decode(live, functools.partial(self._sampled, changed), capture=not self._beside.running,
+                self.runner.decode(live, functools.partial(self._sampled, changed), capture=not self.beside.running,
                                    busy=self.inbox.busy)  # no graph capture while another thread uses the GPU
         finally:
-            self._beside.release()
+            self.beside.release()
         self._collect_beside(changed, wait=not live and not plan.prefill)
 
     def _take_inbox(self, changed: dict[int, Request]) -> None:
@@ -172,21 +171,19 @@ class Engine:
             self.scheduler.add(req)
         for rid in aborts:
             req = self._requests.get(rid)
-            if req is not None and not self._beside.cancel(req) and not req.finished:
+            if req is not None and not self.beside.cancel(req) and not req.finished:
                 self._finish(req, FinishReason.abort, changed)
 
     def _prefill(self, chunk: Chunk, changed: dict[int, Request]) -> None:
         if chunk.beside and self._link.beside(chunk):
             try:
-                peer = self._link.live()
-                self._beside.start(chunk, peer, self._knobs() if peer is not None else None)
+                self.beside.start(chunk, self._link.live())
                 chunk.request.state = State.streaming
             except Exception as e:  # no stream or thread to run it: this request fails, the others go on
                 self._fail(chunk.request, e, changed)
             return self._size_pool(changed)
         try:
-            peer = self._link.together(chunk)
-            logits = self.runner.prefill_chunk(chunk, peer, self._knobs() if peer is not None else None)
+            logits = self.runner.prefill_chunk(chunk, self._link.together(chunk))
         except Exception as e:  # this request fails; the others go on
             return self._fail(chunk.request, e, changed)
         self._prefilled(chunk, logits, changed)
@@ -207,7 +204,7 @@ class Engine:
     def _collect_beside(self, changed: dict[int, Request], wait: bool) -> None:
         """The prefill beside decode, once it has ended: its request decodes from the next step (or fails, or
         finishes as aborted). `wait`: nothing else to do in this step, so wait a moment for it."""
-        b = self._beside.collect(wait)
+        b = self.beside.collect(wait)
         if b is None:
             return
         if b.cancelled.is_set():
@@ -220,7 +217,7 @@ class Engine:
 
     def _size_pool(self, changed: dict[int, Request]) -> None:
         """The native pool's threads for this step's CPU work, set between jobs (a step launched ahead collected)."""
-        want = self._beside.threads()
+        want = self.beside.threads()
         if want is not None:
             self._drain_ahead(changed)
             thread_pool.set_threads(want)
@@ -232,13 +229,6 @@ class Engine:
         """The step launched ahead collected outside a step; its requests' progress goes out with the next step."""
         with on(self.stream):
             self._drain_ahead(self._held)
-
-    def _knobs(self) -> "Knobs":
-        from hybrid.parallel.peer import Knobs
-
-        p = self.plan.prefill
-        return Knobs(ring_len=p.ring_len or None, group=p.slp_group_experts, chunk_tokens=p.slp_chunk_tokens, ep=p.ep,
-                     budget_gb=self.peer.budget_gb if self.peer is not None else None)
 
     # -- process outputs --------------------------------------------------------------------------------------
     def _sampled(self, changed: dict[int, Request], reqs: list[Request], logits: torch.Tensor | Exception) -> None:
@@ -258,13 +248,10 @@ class Engine:
     def _finish(self, req: Request, reason: FinishReason, changed: dict[int, Request], error: str = "") -> None:
         req.finish_reason, req.error = reason, error
         if req.slot >= 0 and req.state is not State.waiting:
-            self._clear_slot(req.slot, req.position)
+            self.runner.clear_slot(req.slot, req.position)
         self.scheduler.finish(req)
         self.outputs.drop(req)
         changed[req.id] = req
-
-    def _clear_slot(self, slot: int, written: int) -> None:
-        self.runner.clear_slot(slot, written)
 
     def _fail(self, req: Request, e: BaseException, changed: dict[int, Request]) -> None:
         self._finish(req, FinishReason.error, changed, error_text(e))

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Optional
 import torch
 
 from hybrid.engine.decoder import DecodeFn, Decoder, Eager, Part, as_decoder
+from hybrid.engine.peer_link import PrefillPeer
 from hybrid.plan.plan import Plan
 from hybrid.engine.requests import Request
 from hybrid.engine.scheduler import Chunk
@@ -24,7 +25,6 @@ from hybrid.placement.staging import Staging
 
 if TYPE_CHECKING:
     from hybrid.engine.cuda_graphs import GraphedDecode
-    from hybrid.parallel.peer import Knobs, Peer
 
 
 class ModelRunner:
@@ -48,14 +48,13 @@ class ModelRunner:
         self.stagger = Stagger(self.decoder, self.inputs)
 
     # -- prefill ----------------------------------------------------------------------------------------------
-    def prefill_chunk(self, chunk: Chunk, peer: Optional["Peer"] = None,
-                      knobs: Optional["Knobs"] = None) -> torch.Tensor:
+    def prefill_chunk(self, chunk: Chunk, peer: Optional[PrefillPeer] = None) -> torch.Tensor:
         """A scheduled chunk's prefill: the last token's logits. With `peer`, on both devices (this process is rank
         0 of the two-rank prefill)."""
         req = chunk.request
         if peer is not None:
             return peer.together(self.model, self.cache, req.prompt[chunk.start:chunk.end], req.slot, chunk.start,
-                                 knobs)
+                                 self.plan.prefill, self.plan.gpu.memory_budget_gb)
         return self.prefill(req.prompt, chunk.start, chunk.end, req.slot, chunk.streamed)[0]
 
     def prefill(self, prompt: list[int], start: int, end: int, slot: int, streamed: bool,

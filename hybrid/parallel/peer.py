@@ -14,7 +14,8 @@ on the CPU, the stand-in the tests run). Commands, one at a time:
 - `alone`: a long prompt while requests decode (§5.1: one GPU prefills, the other GPU and the CPU decode): the peer
   prefills it on its own device (its own stream-loading) while the engine keeps stepping decode, then sends every
   layer's latents of the prompt (kv and pe rows 0..n-1) and the last logits to rank 0, which copies them into the
-  request's KV slot. `PeerPrefill` runs rank 0's side on a thread, as the engine's prefill beside decode does.
+  request's KV slot. `PeerPrefill` (started by `Peer.beside`) runs rank 0's side on a thread, as the engine's
+  prefill beside decode does.
 - `stop`: the peer leaves the group and exits (`Peer.close`).
 
 Failure: a command that fails in the peer fails its request with the peer's message. A peer that dies is seen within
@@ -43,6 +44,7 @@ from hybrid.parallel.group import Dist, process_group, rank_device
 from hybrid.parallel.prefill import Streaming, parallel_prefill
 from hybrid.parallel.shared import attach_experts, pin_shared
 from hybrid.parallel.smallep import MODES, shard
+from hybrid.plan.plan import PrefillPlan
 from hybrid.prefill.ring import expert_tensors, layout
 from hybrid.prefill.slp import PrefillCancelled, StreamLoader
 
@@ -67,6 +69,13 @@ class Knobs:
     budget_gb: Optional[float] = None
     stream: Optional[bool] = None  # the routed experts streamed through the device; None: on a GPU (on the CPU, the
     # CPU kernels compute them in place, as the CPU engine does)
+
+    @classmethod
+    def of(cls, prefill: PrefillPlan, budget_gb: float, stream: Optional[bool] = None) -> "Knobs":
+        """The knobs of the engine's plan: plan.prefill (ring_len 0: as deep as memory allows) and
+        plan.gpu.memory_budget_gb (0: none)."""
+        return cls(ring_len=prefill.ring_len or None, group=prefill.slp_group_experts,
+                   chunk_tokens=prefill.slp_chunk_tokens, ep=prefill.ep, budget_gb=budget_gb or None, stream=stream)
 
     def streams(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.stream is None else self.stream
@@ -197,10 +206,10 @@ class Peer:
     """The engine process's handle on its prefill peer (rank 1), and rank 0 of their process group. Made by
     `Peer.start` (build() calls it); one per process (torch.distributed has one default group)."""
 
-    def __init__(self, process, conn, cancel, dist_: Dist, tmp: str, loader: StreamLoader, budget_gb: Optional[float]):
+    def __init__(self, process, conn, cancel, dist_: Dist, tmp: str, loader: StreamLoader):
         self.process, self.conn, self.cancel_event, self.dist = process, conn, cancel, dist_
         self.loader = loader  # rank 0's stream loader for `together` (the engine's own on a GPU)
-        self.budget_gb = budget_gb
+        self.stream: Optional[bool] = None  # Knobs.stream of every command (None: the experts stream on a GPU)
         self.device = rank_device(1, dist_.device.type)  # the peer's
         self._tmp = tmp
         self._lock = threading.Lock()  # one command at a time
@@ -211,7 +220,7 @@ class Peer:
     @classmethod
     def start(cls, make: Callable[..., tuple[nn.Module, StreamLoader]], make_args: tuple, arenas: list,
               device: torch.device, max_context: int, loader: Optional[StreamLoader] = None,
-              budget_gb: Optional[float] = None, threads: int = 1) -> "Peer":
+              threads: int = 1) -> "Peer":
         """Spawns the peer and joins the group with it as rank 0 on `device` (the engine's). make(device,
         *make_args) -> (model, stream loader), a module-level function: the peer's model placed on its device
         with the routed experts on the CPU kernels (attached to `arenas`, share_experts' of the engine's model,
@@ -241,7 +250,7 @@ class Peer:
         except BaseException:
             _end(proc)
             raise
-        peer = cls(proc, conn, cancel, d, tmp, loader or StreamLoader(), budget_gb)
+        peer = cls(proc, conn, cancel, d, tmp, loader or StreamLoader())
         peer._group = group
         return peer
 
@@ -264,11 +273,12 @@ class Peer:
         return f"its process {self.process.pid} on {self.device} exited (exit code {self.process.exitcode})"
 
     # -- commands ---------------------------------------------------------------------------------------------
-    def together(self, model: nn.Module, cache, tokens: Sequence[int], slot: int, start: int,
-                 knobs: Knobs) -> torch.Tensor:
+    def together(self, model: nn.Module, cache, tokens: Sequence[int], slot: int, start: int, prefill: PrefillPlan,
+                 budget_gb: float) -> torch.Tensor:
         """tokens (positions start..; those before already on both ranks) prefilled by both ranks into the engine's
-        `slot` (the peer uses its own slot 0): the last token's logits. A failure ends the peer (the ranks are out
-        of step) and raises PeerError."""
+        `slot` (the peer uses its own slot 0), with the engine plan's prefill and GPU budget (Knobs.of): the last
+        token's logits. A failure ends the peer (the ranks are out of step) and raises PeerError."""
+        knobs = Knobs.of(prefill, budget_gb, self.stream)
         if knobs.ep not in MODES:
             raise ValueError(f"policy.prefill.ep must be one of {', '.join(MODES)}, got {knobs.ep!r}")
         with self._lock:
@@ -319,6 +329,11 @@ class Peer:
                 layer.pe[slot, :n].copy_(pe[i])
             self.served["alone"] += 1
             return logits
+
+    def beside(self, chunk, cache, prefill: PrefillPlan, budget_gb: float) -> "PeerPrefill":
+        """A prompt (chunk.start 0) prefilled by the peer alone while the engine steps decode (`alone`, on a thread:
+        PeerPrefill), with the engine plan's prefill and GPU budget (Knobs.of)."""
+        return PeerPrefill.start(self, chunk, cache, Knobs.of(prefill, budget_gb, self.stream))
 
     def close(self, timeout_s: float = STOP_S) -> None:
         """Stops the peer (killed if it does not leave within timeout_s) and leaves the group. Idempotent."""

@@ -63,7 +63,7 @@ class _Noting(Decoder):
         self.seen: list[tuple[bool, int, bool]] = []
 
     def __call__(self, *part, capture=True):
-        beside = self.engine._beside
+        beside = self.engine.beside
         self.seen.append((beside.running, thread_pool.threads(), beside.throttle._held))
         return self.engine.runner.eager(*part)
 

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from hybrid.config.compose import compose, to_settings
 from hybrid.engine.build import build
 from hybrid.engine.requests import FinishReason, SamplingParams
-from hybrid.engine.engine import Engine
 from hybrid.parallel.peer import Knobs, Peer, alone
 from hybrid.prefill.slp import StreamLoader
 
@@ -75,7 +74,7 @@ def _slot_rows(engine, slot: int, n: int) -> list[tuple[torch.Tensor, torch.Tens
 def _reference_rows(one, prompt) -> list[tuple[torch.Tensor, torch.Tensor]]:
     one.prefill(prompt, slot=2, streamed=False)
     rows = _slot_rows(one, 2, len(prompt))
-    one._clear_slot(2, len(prompt))
+    one.runner.clear_slot(2, len(prompt))
     return rows
 
 
@@ -116,7 +115,7 @@ def test_a_long_prompt_with_nothing_decoding_is_prefilled_by_both_ranks(one, two
     rid = engine.add_request(prompt, _greedy(6))
     outs = _first_token(engine, rid)
     assert engine.peer.served == {"together": 1, "alone": 0}
-    slot = engine._requests[rid].slot
+    slot = engine.request(rid).slot
     _same_rows(_slot_rows(engine, slot, len(prompt)), _reference_rows(one, prompt), "prefilled together")
     outs = _finish(engine, outs)
     assert _tokens(outs, rid) == _solo(one, prompt, 6)
@@ -133,12 +132,12 @@ def test_a_long_prompt_while_another_decodes_is_prefilled_by_the_peer_alone(one,
     b = engine.add_request(long_, _greedy(5))
     for o in engine.step():  # b goes to the peer; a decodes meanwhile
         outs.setdefault(o.id, []).append(o)
-    assert engine._beside is not None and engine._beside.chunk.request.id == b
+    assert engine.beside.chunk.request.id == b
     more = _first_token(engine, b)
     for k, v in more.items():
         outs.setdefault(k, []).extend(v)
     assert engine.peer.served == {"together": 0, "alone": 1}
-    _same_rows(_slot_rows(engine, engine._requests[b].slot, len(long_)), _reference_rows(one, long_),
+    _same_rows(_slot_rows(engine, engine.request(b).slot, len(long_)), _reference_rows(one, long_),
                "prefilled by the peer alone")
     outs = _finish(engine, outs)
     assert _tokens(outs, a) == _solo(one, short, 30), "the decoding request changed by the peer's prefill"
@@ -146,13 +145,14 @@ def test_a_long_prompt_while_another_decodes_is_prefilled_by_the_peer_alone(one,
 
 
 @pytest.mark.parametrize("path", ["together", "alone"])
-def test_the_streamed_paths_of_a_gpu_give_a_single_process_streamed_prefills_cache(one, two, monkeypatch, path):
+def test_the_streamed_paths_of_a_gpu_give_a_single_process_streamed_prefills_cache(one, two, path):
     """What the ranks run on GPUs — each streaming its share (or the peer all) of the experts through a ring — on
     the CPU stand-in, against one process's stream-loading prefill (the CPU kernels round activations to BF16, the
     streamed experts do not: the reference must stream too)."""
     knobs = Knobs(ring_len=3, stream=True)
-    monkeypatch.setattr(Engine, "_knobs", lambda self: knobs)
-    engine = two()
+    engine = two("policy.prefill.ring_len=3")
+    engine.peer.stream = True
+    assert Knobs.of(engine.plan.prefill, engine.plan.gpu.memory_budget_gb, engine.peer.stream) == knobs
     prompt = _prompt(37, 4)
     if path == "alone":
         a = engine.add_request(_prompt(10, 1), _greedy(40))
@@ -163,8 +163,8 @@ def test_the_streamed_paths_of_a_gpu_give_a_single_process_streamed_prefills_cac
     cache = one.model.new_cache(1, 96)
     logits = alone(one.model, torch.device("cpu"), prompt, cache, 0, StreamLoader(), knobs)
     ref = [(layer.kv[0, :len(prompt)], layer.pe[0, :len(prompt)]) for layer in cache.layers]
-    _same_rows(_slot_rows(engine, engine._requests[rid].slot, len(prompt)), ref, f"streamed, {path}")
-    assert engine._requests[rid].output[0] == int(logits.argmax())
+    _same_rows(_slot_rows(engine, engine.request(rid).slot, len(prompt)), ref, f"streamed, {path}")
+    assert engine.request(rid).output[0] == int(logits.argmax())
 
 
 def test_aborting_a_prompt_on_the_peer_frees_its_slot_and_the_peer_serves_on(one, two):
@@ -175,7 +175,7 @@ def test_aborting_a_prompt_on_the_peer_frees_its_slot_and_the_peer_serves_on(one
     b = engine.add_request(long_, _greedy(5))
     for o in engine.step():
         outs.setdefault(o.id, []).append(o)
-    assert engine._beside is not None and engine._beside.chunk.request.id == b
+    assert engine.beside.chunk.request.id == b
     engine.abort(b)
     outs = _finish(engine, outs)
     assert outs[b][-1].finish_reason is FinishReason.abort and not _tokens(outs, b)
