@@ -76,10 +76,9 @@ class TrialWorker:
         else:
             metrics, records = measure_slo(engine, s)
         from hybrid.kernels import thread_pool
-        from hybrid.kernels.dispatch import selected
 
         report = {"records": records, "plan": engine.plan.params(), "threads": thread_pool.threads(),
-                  "kernel": selected(s.policy.cpu.kernel), "hw": self.hw.name}
+                  "kernel": engine.plan.cpu.kernel, "hw": self.hw.name}
         return {"metrics": metrics, "report": report, "build_s": build_s, "measure_s": time.perf_counter() - t0}
 
     def crossover(self, req: dict) -> dict:

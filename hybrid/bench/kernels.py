@@ -26,6 +26,7 @@ import torch
 from hybrid.bench import bounds
 from hybrid.bench.records import Record
 from hybrid.bench.timing import best_per_call, calls_for
+from hybrid.engine.build import plan_for
 from hybrid.hw.detect import meminfo_bytes
 from hybrid.kernels.dispatch import selected
 from hybrid.kernels.gemm import gemm
@@ -183,7 +184,7 @@ def _moe_records(cfg, roof: Roof, kernels: list[str], rng) -> list[Record]:
 
 
 def kernels_timed(cpu_kernels: list[str], configured: str) -> list[str]:
-    """bench.cpu_kernels resolved (each must run here), else the configured variant, with avx512_bf16 beside amx."""
+    """bench.cpu_kernels (each must run here), else the plan's variant, with avx512_bf16 beside amx."""
     if cpu_kernels:
         return [selected(k) for k in cpu_kernels]
     first = selected(configured)
@@ -192,7 +193,7 @@ def kernels_timed(cpu_kernels: list[str], configured: str) -> list[str]:
 
 def run(settings) -> list[Record]:
     cfg = settings.bench
-    kernels = kernels_timed(cfg.cpu_kernels, settings.policy.cpu.kernel)
+    kernels = kernels_timed(cfg.cpu_kernels, plan_for(settings, settings.hw).cpu.kernel)
     rng = np.random.default_rng(settings.seed)
     pool_gb = cfg.pool_gb or min(4.0, max(1.0, _memory_gb() / 12))
     roof = Roof(pool_gb)
