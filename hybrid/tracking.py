@@ -3,9 +3,9 @@
 Where: `tracking.uri` ("" = sqlite under runs/: runs/mlflow.db, artifacts under runs/mlartifacts/, or a server such
 as http://host:5000); one experiment per model (`hybrid-<model>`, created with an explicit artifact location).
 What: params = the resolved hw, model and policy, flattened (`policy.cpu.threads`, `hw.cpu.cores`, ...), plus the
-plan they resolved to (`plan.cpu.threads`, `plan.cpu.kernel`, ...); metrics = the SLO report card (TTFT, TPOT, prefill and decode tokens/s) or the
-bench's records, with achieved ÷ bound where a record has a bound; artifacts = the resolved config (config.yaml),
-the report (report.json) and plots (plots/*.png).
+plan they resolved to (`plan.cpu.threads`, `plan.cpu.kernel`, ...); metrics = the SLO report card (TTFT, TPOT, prefill
+and decode tokens/s) or the bench's records, with achieved ÷ bound where a record has a bound; artifacts = the
+resolved config (config.yaml), the report (report.json) and plots (plots/*.png).
 
 mlflow is imported inside the functions here, once a run's measured work is over: never on the engine's hot path
 (`import mlflow` costs ~1.5 s). Tracking failures are reported on stderr and never fail the run.

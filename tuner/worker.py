@@ -2,7 +2,8 @@
 <overrides>` would, then takes requests, one JSON line each on stdin, and answers each with one JSON line on stdout
 (everything else it prints goes to stderr). The model is loaded and placed once, by the first request; every later
 one rebuilds the engine around it for the request's policy (hybrid/engine/build.py `replan`), so a trial that
-changes only knobs placement does not read costs its measurement alone. The tuner restarts the worker for the other knobs.
+changes only knobs placement does not read costs its measurement alone. The tuner restarts the worker for the other
+knobs.
 
     {"op": "trial", "trial": 3, "policy": {"decode.batch_cap": 4, ...}, "measure": "workload" | "slo"}
     {"op": "crossover", "policy": {...}, "lengths": [32, 64, 128, 256]}

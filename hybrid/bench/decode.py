@@ -140,7 +140,8 @@ def run(settings) -> list[Record]:
     streams, _ = calibrate(cfg.roof_gb)
     roof = read_roof(cfg.roof_gb, 5, streams)
     print(f"decode on {engine.device}: {n_moe} MoE layers, roof {roof:.1f} GB/s", file=sys.stderr)
-    graphable = engine.device.type == "cuda" and engine.plan.cpu.moe_backend == "native" and not engine.plan.cpu.deferred_experts
+    cpu = engine.plan.cpu
+    graphable = engine.device.type == "cuda" and cpu.moe_backend == "native" and not cpu.deferred_experts
     modes = ["eager"] + (list(cfg.graph_modes) if graphable else [])
     graphs = {m: engine.decoder(m) for m in modes[1:]}
     records = [Record("read_roof", roof, "GB/s", extra={"streams": streams})]

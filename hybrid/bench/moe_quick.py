@@ -76,7 +76,8 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     scale = lambda n, k: torch.rand((n + 127) // 128, (k + 127) // 128) * 1e-2 + 1e-3  # noqa: E731
     n = min(a.distinct, E)
-    w = [[fp8_weight(I, D) for _ in range(n)], [fp8_weight(I, D) for _ in range(n)], [fp8_weight(D, I) for _ in range(n)]]
+    w = [[fp8_weight(I, D) for _ in range(n)], [fp8_weight(I, D) for _ in range(n)],
+         [fp8_weight(D, I) for _ in range(n)]]
     s = [[scale(I, D) for _ in range(n)], [scale(I, D) for _ in range(n)], [scale(D, I) for _ in range(n)]]
     turn = lambda xs: [xs[e % n] for e in range(E)]  # noqa: E731
     T = E * tpe // K

@@ -92,7 +92,8 @@ class ModelConfig:
             raise ValueError(f"model '{self.name}': set model.path (a checkpoint directory) or model.synthetic")
 
 
-KERNELS = ("amx", "avx512_bf16", "avx512", "avx2", "generic")  # CPU kernel ISA variants (hybrid/kernels/dispatch.py VARIANTS)
+# CPU kernel ISA variants (hybrid/kernels/dispatch.py VARIANTS)
+KERNELS = ("amx", "avx512_bf16", "avx512", "avx2", "generic")
 
 
 def _at_least(group: object, path: str, low: int, *knobs: str, optional: bool = False) -> None:
@@ -117,7 +118,8 @@ def _one_of(group: object, path: str, knob: str, choices: tuple) -> None:
 class CpuPolicy:
     """The CPU expert kernels (hybrid/kernels/, placement's CpuExperts)."""
     threads: Optional[int] = None  # threads of the kernels; null = the profile's physical cores, else the machine's
-    kernel: Optional[str] = None  # ISA: null (HYBRID_CPU_KERNEL, else the best) | amx | avx512_bf16 | avx512 | avx2 | generic
+    # ISA: null (HYBRID_CPU_KERNEL, else the best) | amx | avx512_bf16 | avx512 | avx2 | generic
+    kernel: Optional[str] = None
     moe_backend: str = "native"  # routed experts: native (the C++ CPU kernels) | torch (reference path)
     gemm_tile_tokens: Optional[int] = None  # tokens per expert from which FP8 tiles are converted once and reused;
     # null = 16 where avx512_bf16 multiplies them in the outer-product form, 64 elsewhere and under batch_invariant
@@ -164,7 +166,8 @@ class PrefillPolicy:
     beside_cores: int = 2  # while a prompt streams beside decode, decode's CPU experts leave this many cores to it
     stream_queue_mb: int = 16  # beside decode, while requests decode: the stream's copies queued at a time (0: any)
     cores_back_in_rests: bool = True  # a decode step begun in the duty cycle's rest runs on beside_cores too
-    beside_sms: Optional[int] = None  # beside decode, the prefill's kernels leave this many SMs to decode's (None: auto)
+    # beside decode, the prefill's kernels leave this many SMs to decode's (None: auto)
+    beside_sms: Optional[int] = None
 
     def __post_init__(self) -> None:
         _at_least(self, "prefill", 1, "chunk_tokens")

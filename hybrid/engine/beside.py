@@ -121,7 +121,8 @@ class BesideDecode:
         """The stream's limits for this step: paced while requests decode, at full speed when none does."""
         if decoding:
             p = self.plan.prefill
-            self.throttle.set_limits(p.stream_cap_gbps * 1e9 or None, int(p.stream_queue_mb * 2 ** 20) or None, p.stream_duty)
+            self.throttle.set_limits(p.stream_cap_gbps * 1e9 or None, int(p.stream_queue_mb * 2 ** 20) or None,
+                                     p.stream_duty)
         else:
             self.throttle.set_limits(None, None, None)
 

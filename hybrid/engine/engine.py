@@ -56,8 +56,8 @@ class Engine:
         self.cache = self.runner.cache
         self.outputs = OutputProcessor(tokenizer, model.args.eos_token_id)
         # with a peer, prompts above the cutoff take the two-device paths (on the CPU stand-in too)
-        self.scheduler = Scheduler(self.cache.slots, plan.decode.batch_cap, plan.prefill.chunk_tokens,
-                                   plan.prefill.slp_cutoff_tokens if long_prefill is not None or peer is not None else None,
+        long_cutoff = plan.prefill.slp_cutoff_tokens if long_prefill is not None or peer is not None else None
+        self.scheduler = Scheduler(self.cache.slots, plan.decode.batch_cap, plan.prefill.chunk_tokens, long_cutoff,
                                    plan.prefill.gpus, beside_decode=plan.prefill.beside_decode or peer is not None)
         self._link = PeerLink(peer, self.scheduler, plan.prefill.beside_decode, streams=long_prefill is not None)
         self.inbox = Inbox()

@@ -2,8 +2,8 @@
 
 Prefill: a prompt's range into its KV slot, in the step's chunks, by stream-loading (through `long_prefill`, in SLP
 chunks of plan.prefill.slp_chunk_tokens), or on both devices with the prefill peer. Decode: one step for the decoding
-requests through the plan's `Decoder` (hybrid/engine/decoder.py), as two micro-batches under plan.decode.dual_batch, half
-a step apart where the decoder staggers (hybrid/engine/staggered.py). Results go back to the loop: logits from a
+requests through the plan's `Decoder` (hybrid/engine/decoder.py), as two micro-batches under plan.decode.dual_batch,
+half a step apart where the decoder staggers (hybrid/engine/staggered.py). Results go back to the loop: logits from a
 prefill, each batch's logits or failure to the loop's `Take` from a decode step."""
 from __future__ import annotations
 

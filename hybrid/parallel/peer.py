@@ -443,8 +443,9 @@ def _end(proc, kill: bool = False, wait_s: float = 5.0) -> None:
 @dataclass
 class PeerPrefill:
     """A prompt prefilled by the peer alone while the engine's thread goes on stepping decode: the same interface
-    as the engine's prefill beside decode (hybrid/engine/beside.py `Beside`), so the engine collects, aborts and fails it the
-    same way. `side`: the CUDA stream the latents are copied on (the engine's stream waits for it when collecting)."""
+    as the engine's prefill beside decode (hybrid/engine/beside.py `Beside`), so the engine collects, aborts and fails
+    it the same way. `side`: the CUDA stream the latents are copied on (the engine's stream waits for it when
+    collecting)."""
     chunk: Any
     thread: threading.Thread
     done: threading.Event

@@ -7,8 +7,9 @@ family's own markers for `tool_choice` "required" or a named function.
     SamplingParams(..., logits_processors=(c,))     # the sampler calls c(output_ids, logits_row) -> masked row
 
 The mask of the next step depends only on the tokens so far: `Constraint.prefetch(ids)` computes it on a worker
-thread as soon as a step's token is known (the sampler calls it: Prefetching) (while the next step's forward runs); the processor then only applies it.
-Without a prefetch it is computed in the processor (tens of µs on a CPU: docs/perf/grammar.md)."""
+thread as soon as a step's token is known (the sampler calls it: Prefetching) (while the next step's forward runs);
+the processor then only applies it. Without a prefetch it is computed in the processor (tens of µs on a CPU:
+docs/perf/grammar.md)."""
 from __future__ import annotations
 
 import json
@@ -80,7 +81,8 @@ class Grammars:
             if s is deepseek.V3:
                 calls.append(f'f{i}: "function" {tok(deepseek.SEP)} {name} "\\n```json\\n" {args} "\\n```"')
             elif family.name == "kimi_k2":
-                calls.append(f'f{i}: "functions." {name} ":" /[0-9]{{1,4}}/ {tok("<|tool_call_argument_begin|>")} {args}')
+                calls.append(f'f{i}: "functions." {name} ":" /[0-9]{{1,4}}/ '
+                             f'{tok("<|tool_call_argument_begin|>")} {args}')
             else:
                 calls.append(f'f{i}: {name} {tok(deepseek.SEP)} {args}')
         sep = '"\\n" ' if s is deepseek.V3 else ""

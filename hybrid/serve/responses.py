@@ -188,7 +188,8 @@ class _Events:
 
     def sse(self, kind: str, **payload: Any) -> str:
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq, **payload}, ensure_ascii=False)}\n\n"
+        data = json.dumps({'type': kind, 'sequence_number': self.seq, **payload}, ensure_ascii=False)
+        return f"event: {kind}\ndata: {data}\n\n"
 
     def start(self, item: dict) -> list[str]:
         out = self.close()

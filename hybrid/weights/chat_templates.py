@@ -31,7 +31,8 @@ _DS_SYSTEM = """
   {%- set ns.system = ns.system + ('' if ns.first else '\n\n') + m['content'] -%}{%- set ns.first = false -%}
 {%- endfor -%}
 {%- if tools -%}
-  {%- set ns.system = ns.system + ('\n\n' if ns.system else '') + '## Tools\nYou have access to the following tools:\n' -%}
+  {%- set ns.system = ns.system + ('\n\n' if ns.system else '') +
+      '## Tools\nYou have access to the following tools:\n' -%}
   {%- for t in tools -%}
     {%- set f = t['function'] -%}
     {%- set ns.system = ns.system + '\n### ' + f['name'] + '\nDescription: ' + (f.get('description') or '') +
@@ -54,7 +55,9 @@ tool_call_name\\n```json\\ntool_call_arguments\\n```<｜tool▁call▁end｜><�
     {%- if st.tool -%}<｜tool▁outputs▁end｜>{%- else -%}<｜Assistant｜>{%- endif -%}
     {%- set st.tool = false -%}{%- set st.first_output = true -%}{{ content }}
     {%- if m.get('tool_calls') -%}<｜tool▁calls▁begin｜>
-      {%- for c in m['tool_calls'] -%}{{ '\n' if not loop.first }}<｜tool▁call▁begin｜>{{ c.get('type', 'function') }}<｜tool▁sep｜>{{ c['function']['name'] }}
+      {%- for c in m['tool_calls'] -%}
+        {{ '\n' if not loop.first }}<｜tool▁call▁begin｜>{{ c.get('type', 'function') }}<｜tool▁sep｜>
+        {{- c['function']['name'] }}
 ```json
 {{ c['function']['arguments'] }}
 ```<｜tool▁call▁end｜>
@@ -72,7 +75,8 @@ tool_call_name\\n```json\\ntool_call_arguments\\n```<｜tool▁call▁end｜><�
 DEEPSEEK_V3 = _DS_V3.replace("{{ GEN_SUFFIX }}", "")
 DEEPSEEK_R1 = _DS_V3.replace("{{ GEN_SUFFIX }}", "<think>\n")
 
-DEEPSEEK_V31 = "{%- set thinking = thinking if thinking is defined else (enable_thinking if enable_thinking is defined else false) -%}" + _DS_SYSTEM.replace(
+DEEPSEEK_V31 = ("{%- set thinking = thinking if thinking is defined else (enable_thinking if enable_thinking is defined"
+                " else false) -%}") + _DS_SYSTEM.replace(
     "CALL_FORMAT", """'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>tool_call_name<｜tool▁sep｜>tool_call_arguments\
 <｜tool▁call▁end｜><｜tool▁calls▁end｜>\\n'""") + """
 {%- set st = namespace(tool=false, last_user=false) -%}
@@ -114,7 +118,8 @@ _KIMI = """
     {%- if m.get('tool_calls') -%}<|tool_calls_section_begin|>
       {%- for c in m['tool_calls'] -%}
         <|tool_call_begin|>{{ c['id'] }}<|tool_call_argument_begin|>
-        {{- c['function']['arguments'] if c['function']['arguments'] is string else c['function']['arguments'] | tojson -}}
+        {{- c['function']['arguments'] if c['function']['arguments'] is string
+            else c['function']['arguments'] | tojson -}}
         <|tool_call_end|>
       {%- endfor -%}<|tool_calls_section_end|>
     {%- endif -%}
@@ -130,8 +135,11 @@ KIMI_K2 = _KIMI.replace("{{- THINK }}", "{{- '' }}")
 # the last plain answer) is kept
 KIMI_K2_THINKING = """
 {%- set ns = namespace(last=-1) -%}
-{%- for m in messages -%}{%- if m['role'] == 'assistant' and not m.get('tool_calls') -%}{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}
-""" + _KIMI.replace("{{- THINK }}", "{{- '<think>' ~ (m.get('reasoning_content') or '' if loop.index0 > ns.last else '') ~ '</think>' }}")
+{%- for m in messages -%}
+  {%- if m['role'] == 'assistant' and not m.get('tool_calls') -%}{%- set ns.last = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+""" + _KIMI.replace("{{- THINK }}", "{{- '<think>' ~ (m.get('reasoning_content') or '' if loop.index0 > ns.last "
+                                     "else '') ~ '</think>' }}")
 
 FAMILIES = {
     "deepseek_v3": (DEEPSEEK_V3, DS_TOKENS, DS_BOS, DS_EOS),

@@ -1,6 +1,6 @@
 """Build the model from a checkpoint: every expected tensor present, of the right shape and dtype, scales matching
-their weights, no NaN codes in FP8 weights, INT4 weights' recorded shapes their own. Tensors are assigned, not copied: the model's weights are the
-checkpoint's memory-mapped pages."""
+their weights, no NaN codes in FP8 weights, INT4 weights' recorded shapes their own. Tensors are assigned, not copied:
+the model's weights are the checkpoint's memory-mapped pages."""
 from __future__ import annotations
 
 import re

@@ -80,7 +80,8 @@ KIMI_K2 = {
 KIMI_K2_THINKING = {**KIMI_K2, "quantization_config": int4.KIMI_K2_THINKING}
 
 PRESETS = {"deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2, "kimi_k2_thinking": KIMI_K2_THINKING}
-CHAT_TEMPLATES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "kimi_k2", "kimi_k2_thinking": "kimi_k2_thinking"}  # a base's default family of chat template
+# a base's default family of chat template
+CHAT_TEMPLATES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "kimi_k2", "kimi_k2_thinking": "kimi_k2_thinking"}
 
 
 def chat_family(spec: dict) -> str:

@@ -39,7 +39,8 @@ def test_without_a_gpu_the_cpu_path_reports_its_flop_rate():
 
     s = to_settings(compose(["+hw=cpu_only", "mode=bench", "bench=prefill", "bench.prompt_lengths=[8,16]",
                              "tracking.enabled=false"]))
-    records = [r for r in bench(s, "cpu_only", detect(), plan_for(s, s.hw).cpu.kernel)["records"] if r["name"] == "cpu_path_ttft"]
+    records = [r for r in bench(s, "cpu_only", detect(), plan_for(s, s.hw).cpu.kernel)["records"]
+               if r["name"] == "cpu_path_ttft"]
     assert [r["m"] for r in records] == [8, 16]
     assert all(r["gflop_s"] == pytest.approx(r["gflop"] / r["value"]) for r in records)
 

@@ -442,8 +442,9 @@ def test_gpu_prefill_beside_graphed_decode_keeps_solo_tokens(cap, sms, duty):
 
     overrides = ["+hw=h200_xeon16", "policy=default", "policy.adapt_to_hardware=true", "model.dtype=float32",
                  "policy.decode.cuda_graphs=hostfn", "policy.kv.max_batch=3", "policy.decode.batch_cap=3",
-                 "policy.kv.max_context=512", "policy.prefill.slp_cutoff_tokens=32", "policy.prefill.beside_decode=true",
-                 "policy.decode.batch_invariant=true", "policy.prefill.attention_chunk_tokens=64"]  # 200: 4 chunks
+                 "policy.kv.max_context=512", "policy.prefill.slp_cutoff_tokens=32",
+                 "policy.prefill.beside_decode=true", "policy.decode.batch_invariant=true",
+                 "policy.prefill.attention_chunk_tokens=64"]  # 200: 4 chunks
     if cap is not None:
         overrides.append(f"policy.prefill.stream_cap_gbps={cap}")
     if sms is not None:  # 16: the prefill's kernels in a green context, 16 SMs left to decode; None: auto

@@ -80,7 +80,8 @@ def test_resident_experts_take_their_share_off_the_cpu_and_the_sum_is_unchanged(
 def test_greedy_decode_with_resident_experts_follows_the_all_cpu_engine(tiny_dir):
     prompt = torch.randint(2, 320, (24,), generator=torch.Generator().manual_seed(3)).tolist()
     plain, _ = _model(tiny_dir)
-    plan, params = local_plan({"kv.max_batch": 1, "kv.max_context": 64, "decode.batch_cap": 1}), SamplingParams(12, ignore_eos=True)
+    plan = local_plan({"kv.max_batch": 1, "kv.max_context": 64, "decode.batch_cap": 1})
+    params = SamplingParams(12, ignore_eos=True)
     want = Engine(plain, plan).generate([prompt], params)[0].output_ids
     m, hot = _model(tiny_dir, n_hot=4)
     engine = Engine(m, plan, after_prefill=lambda: [h.refresh() for h in hot])

@@ -194,7 +194,8 @@ def test_cpu_only_profile_runs_on_the_cpu_and_kv_budget_is_checked():
     huge = to_settings(compose(["+hw=cpu_only", "policy.kv.max_context=1000000000"]))
     engine = build(s, s.hw, progress=False)
     assert isinstance(cpu_experts(engine.model)[0], CpuExperts)
-    with pytest.raises(ConfigError, match=r"policy\.kv\.max_batch=8 x policy\.kv\.max_context=1000000000.*lower policy"):
+    with pytest.raises(ConfigError,
+                       match=r"policy\.kv\.max_batch=8 x policy\.kv\.max_context=1000000000.*lower policy"):
         p = huge.policy.kv
         check_kv_cache(engine.model.args, engine.model.dtype, p.max_batch, p.max_context, 8e9, torch.device("cpu"))
 

@@ -78,8 +78,8 @@ def test_rows_do_not_depend_on_batch_mates():
 
 
 def test_bad_knobs_are_refused():
-    for bad in (dict(min_p=1.5), dict(presence_penalty=3), dict(frequency_penalty=-2.5), dict(repetition_penalty=0), dict(repetition_penalty=5e-324),
-                dict(logprobs=21), dict(logit_bias={1: 101})):
+    for bad in (dict(min_p=1.5), dict(presence_penalty=3), dict(frequency_penalty=-2.5), dict(repetition_penalty=0),
+                dict(repetition_penalty=5e-324), dict(logprobs=21), dict(logit_bias={1: 101})):
         with pytest.raises(RequestError):
             SamplingParams(**bad)
 

@@ -81,7 +81,8 @@ def test_gemm_bad_call(case):
 
 def test_gemm_unknown_kernel():
     a = _gemm_args()
-    with pytest.raises(ValueError, match=r"unknown CPU kernel 'avx9000' \(auto, amx, avx512_bf16, avx512, avx2 or generic\)"):
+    with pytest.raises(ValueError,
+                       match=r"unknown CPU kernel 'avx9000' \(auto, amx, avx512_bf16, avx512, avx2 or generic\)"):
         gemm(a["x"], a["w"], a["scale"], a["out"], kernel="avx9000")
 
 
@@ -135,7 +136,8 @@ def _set(lst, i, v):
 CTOR_CASES = {
     "fp8 without scales": (lambda: (_experts()[0], [[], [], []]), "FP8 experts need one scale per weight"),
     "bf16 with scales": (lambda: (_experts("bf16")[0], _experts()[1]), "BF16 experts take no scales"),
-    "fewer up experts": (lambda: _ctor_case(lambda ws, ss: ws[1].pop()), "gate, up and down need one weight per expert"),
+    "fewer up experts": (lambda: _ctor_case(lambda ws, ss: ws[1].pop()),
+                         "gate, up and down need one weight per expert"),
     "fewer down experts": (lambda: _ctor_case(lambda ws, ss: ws[2].pop()), "gate, up and down need one weight per"),
     "no experts": (lambda: ([[], [], []], [[], [], []]), "gate, up and down need one weight per expert"),
     "fewer scales": (lambda: _ctor_case(lambda ws, ss: ss[2].pop()), "FP8 experts need one scale per weight"),
@@ -202,7 +204,8 @@ CALL_CASES = {
     "x hidden size": (_call(x=bf16(rng_for("xd"), (T, D + 1))), f"x: shape [{T}, {D + 1}], expected [{T}, {D}]"),
     "ids tokens": (_call(ids=torch.zeros(T + 1, TOPK, dtype=torch.int64)),
                    f"ids: shape [{T + 1}, {TOPK}], expected [{T}, {TOPK}]"),
-    "weights vs ids": (_call(weights=torch.rand(T, TOPK + 1)), f"weights: shape [{T}, {TOPK + 1}], expected [{T}, {TOPK}]"),
+    "weights vs ids": (_call(weights=torch.rand(T, TOPK + 1)),
+                       f"weights: shape [{T}, {TOPK + 1}], expected [{T}, {TOPK}]"),
     "weights tokens": (_call(weights=torch.rand(T - 1, TOPK)), f"weights: shape [{T - 1}, {TOPK}], expected"),
     "out hidden size": (_call(out=torch.zeros(T, D - 1)), f"out: shape [{T}, {D - 1}], expected [{T}, {D}]"),
     "out tokens": (_call(out=torch.zeros(T + 1, D)), f"out: shape [{T + 1}, {D}], expected [{T}, {D}]"),
@@ -237,7 +240,8 @@ NATIVE_CASES = {
     "x float32": (_native_args(x=torch.randn(T, D)), "x: dtype float32, expected bfloat16"),
     "weights float64": (_native_args(weights=torch.rand(T, TOPK, dtype=torch.float64)), "weights: dtype float64"),
     "weights bf16": (_native_args(weights=torch.rand(T, TOPK).bfloat16()), "weights: dtype bfloat16, expected float32"),
-    "ids transposed": (_native_args(ids=torch.zeros(TOPK, T, dtype=torch.int64).T), "ids: last dimension must be contig"),
+    "ids transposed": (_native_args(ids=torch.zeros(TOPK, T, dtype=torch.int64).T),
+                       "ids: last dimension must be contig"),
     "x transposed": (_native_args(x=bf16(rng_for("xt"), (D, T)).T), "x: last dimension must be contiguous"),
 }
 

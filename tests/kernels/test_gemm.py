@@ -6,9 +6,9 @@ times the same BF16 activations, in float64.
 
 Error bound: p95 over the output elements of |err|/Σ|x·w| <= 2e-3 (Σ|x·w|, the dot product's absolute sum, is |ref|
 where nothing cancels; where the products cancel, |ref| can be far below the fp32 rounding any summation order
-carries), and max|err| <= 1e-4 * max|ref|. The kernels accumulate in fp32 (products exact: BF16 x FP8-as-BF16), so they sit orders of magnitude inside both: the observed
-levels (printed at the end of the run) are ~1e-6 (p95) and ~1e-7 (max). Outputs are poisoned with NaN before each
-call, so an element the kernel fails to write fails the test.
+carries), and max|err| <= 1e-4 * max|ref|. The kernels accumulate in fp32 (products exact: BF16 x FP8-as-BF16), so
+they sit orders of magnitude inside both: the observed levels (printed at the end of the run) are ~1e-6 (p95) and
+~1e-7 (max). Outputs are poisoned with NaN before each call, so an element the kernel fails to write fails the test.
 Inputs are fresh each run; the seed is in every assertion message (HYBRID_TEST_SEED=<seed> reproduces a run).
 """
 from __future__ import annotations

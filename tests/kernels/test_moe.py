@@ -79,7 +79,8 @@ def routing(rng, T, dtype=torch.int64):
 
 
 def routing_with_hot(rng, T):
-    """routing(), with one expert (returned) picked by every token: the prefill path for it, a few rows for the others."""
+    """routing(), with one expert (returned) picked by every token: the prefill path for it, a few rows for the
+    others."""
     ids, w = routing(rng, T)
     hot = int(rng.integers(E))
     ids[:, 0] = hot

@@ -86,7 +86,8 @@ def test_a_kept_ring_counts_as_free_in_the_next_prefills_budget(tiny_dir, monkey
     slot = build.slot_bytes(hybrid)
     loader = StreamLoader()
     # as on a GPU, memory held (the kept ring) is not free; 5.5 slots in all, the activations left out
-    monkeypatch.setattr(long_prefill, "free_bytes", lambda device, budget_gb: 5.5 * slot - loader.kept_ring_bytes(device))
+    monkeypatch.setattr(long_prefill, "free_bytes",
+                        lambda device, budget_gb: 5.5 * slot - loader.kept_ring_bytes(device))
     monkeypatch.setattr(long_prefill, "ring_budget", lambda a, free, kept, group, tokens: free + kept)
     context = long_prefill.LongPrefill(hybrid, CPU, loader, slot, group=1)  # ring_len auto: what the budget allows
     tokens, pos = torch.randint(2, 320, (1, 24)), torch.arange(24)[None]
