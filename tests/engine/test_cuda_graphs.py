@@ -212,7 +212,8 @@ def test_graphed_decode_serves_a_changing_set_of_slots_with_solo_tokens():
     from tests.engine.test_serving import _drive, _greedy
 
     overrides = ["+hw=h200_xeon16", "policy=default", "policy.adapt_to_hardware=true", "model.dtype=float32",
-                 "policy.decode.cuda_graphs=hostfn", "policy.kv.max_batch=3", "policy.decode.batch_cap=3", "policy.kv.max_context=512"]
+                 "policy.decode.cuda_graphs=hostfn", "policy.kv.max_batch=3", "policy.decode.batch_cap=3",
+                 "policy.kv.max_context=512"]
     s = to_settings(compose(overrides))
     engine = build(s, s.hw, progress=False)
     v = engine.model.args.vocab_size

@@ -25,7 +25,8 @@ from hybrid.models import Checkpoint, load_model
 from tests.engine.test_serving import PLAN, _check_solo, _drive, _greedy, _prompt, _solo
 from tests.plans import gpu_plan
 
-DUAL = local_plan({"kv.max_batch": 3, "kv.max_context": 96, "decode.batch_cap": 3, "prefill.chunk_tokens": 8, "decode.dual_batch": True})
+DUAL = local_plan({"kv.max_batch": 3, "kv.max_context": 96, "decode.batch_cap": 3, "prefill.chunk_tokens": 8,
+                   "decode.dual_batch": True})
 
 
 def _lane(log: list, name: str, cpu_steps: int) -> list:

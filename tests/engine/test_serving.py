@@ -107,7 +107,8 @@ def test_chunked_prefill_while_two_others_decode(tiny_model):
 
 def test_batch_cap_bounds_the_running_requests(tiny_model):
     v = tiny_model.args.vocab_size
-    engine = _engine(tiny_model, local_plan({"kv.max_batch": 3, "kv.max_context": 96, "decode.batch_cap": 2, "prefill.chunk_tokens": 64}))
+    engine = _engine(tiny_model, local_plan({"kv.max_batch": 3, "kv.max_context": 96, "decode.batch_cap": 2,
+                                             "prefill.chunk_tokens": 64}))
     for i in range(3):
         engine.add_request(_prompt(5, i, v), _greedy(4))
     seen = 0
@@ -280,7 +281,8 @@ def test_a_failing_after_prefill_hook_warns_and_the_requests_go_on(tiny_model):
     with pytest.warns(UserWarning, match="refresh failed"):
         done = engine.generate([_prompt(4, 1, v), _prompt(20, 2, v)], _greedy(5))
     assert [c.finish_reason for c in done] == [FinishReason.length] * 2 and len(calls) == 2
-    assert [c.output_ids for c in done] == [_solo(tiny_model, _prompt(n, s, v), _greedy(5)) for n, s in ((4, 1), (20, 2))]
+    assert [c.output_ids for c in done] == [_solo(tiny_model, _prompt(n, s, v), _greedy(5))
+                                            for n, s in ((4, 1), (20, 2))]
 
 
 def test_a_finished_request_leaves_nothing_in_its_kv_slot(tiny_model):
