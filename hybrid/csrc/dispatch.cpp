@@ -132,7 +132,7 @@ int64_t scratch_elems(Isa isa, int64_t K) {
 }
 
 void gemm_rows(Isa isa, const GemmProblem& p, const uint16_t* xprep, int64_t n0, int64_t n1, uint16_t* tile) {
-  if (p.wt == WeightType::int4) return int4_rows(isa, p, n0, n1);
+  if (p.wt == WeightType::int4) return int4_rows(isa, p, xprep, n0, n1);
   switch (isa) {
     case Isa::amx:
 #if HYBRID_AMX_BUILT

@@ -22,7 +22,8 @@ int64_t x_rows(XLayout layout, int64_t M);
 // Per-thread scratch a variant's kernels need for a reduction length K, in uint16 elements (0: none).
 int64_t scratch_elems(Isa isa, int64_t K);
 
-// Rows [n0, n1) of one problem on `isa`. xprep: activations in x_layout(isa, p) (ignored when plain);
+// Rows [n0, n1) of one problem on `isa`. xprep: activations in x_layout(isa, p) (ignored when plain; INT4
+// weights: int4_prepare_x's rows or null);
 // tile: the thread's scratch_elems(isa, K).
 void gemm_rows(Isa isa, const GemmProblem& p, const uint16_t* xprep, int64_t n0, int64_t n1, uint16_t* tile);
 

@@ -35,12 +35,38 @@ GemmProblem make_int4_problem(const View& x, const View& w, const View* scale, c
 
 // Variant -> INT4 kernel. amx: the AVX-512 BF16 kernel at every token count (no AMX tiles for INT4 weights yet);
 // avx512 (no BF16 instructions): the AVX2 kernel; amx_emulated (tests of the FP8 tiling): the reference.
-void int4_rows(Isa isa, const GemmProblem& p, int64_t n0, int64_t n1) {
+namespace {
+Isa int4_kernel(Isa isa) {
   switch (isa) {
     case Isa::amx:
-    case Isa::avx512_bf16: return int4_rows_avx512_bf16(p, n0, n1);
+    case Isa::avx512_bf16: return Isa::avx512_bf16;
     case Isa::avx512:
-    case Isa::avx2: return int4_rows_avx2(p, n0, n1);
+    case Isa::avx2: return Isa::avx2;
+    default: return Isa::generic;
+  }
+}
+}  // namespace
+
+int64_t int4_x_elems(Isa isa, int64_t K) {
+  switch (int4_kernel(isa)) {
+    case Isa::avx512_bf16: return int4_x_elems_avx512_bf16(K);
+    case Isa::avx2: return int4_x_elems_avx2(K);
+    default: return 0;
+  }
+}
+
+void int4_prepare_x(Isa isa, const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* out) {
+  switch (int4_kernel(isa)) {
+    case Isa::avx512_bf16: return int4_prepare_x_avx512_bf16(x, ldx, M, K, out);
+    case Isa::avx2: return int4_prepare_x_avx2(x, ldx, M, K, reinterpret_cast<float*>(out));
+    default: return;
+  }
+}
+
+void int4_rows(Isa isa, const GemmProblem& p, const uint16_t* xprep, int64_t n0, int64_t n1) {
+  switch (int4_kernel(isa)) {
+    case Isa::avx512_bf16: return int4_rows_avx512_bf16(p, xprep, n0, n1);
+    case Isa::avx2: return int4_rows_avx2(p, reinterpret_cast<const float*>(xprep), n0, n1);
     default: return int4_rows_generic(p, n0, n1);
   }
 }

@@ -1,9 +1,10 @@
 // AVX2 + FMA INT4 kernel (compiled with -mavx2 -mfma): fp32 arithmetic, 8 weights per vector.
 //
 // Each int32 word is broadcast and shifted right by 0, 4, ..., 28 per lane: its 8 nibbles in column order, minus 8,
-// converted to fp32 exactly. The activations of up to 4 tokens are converted to fp32 once per call (zero past K, so
-// a row's padding nibbles multiply zeros); each group's words are multiplied with every token into per-group
-// accumulators, then the group's scale is applied with one FMA; one horizontal sum per output at the end.
+// converted to fp32 exactly. The activations are prepared in fp32 (int4_prepare_x_avx2: zero past K, so a row's
+// padding nibbles multiply zeros), once for every call over them; each group's words are multiplied with up to 4
+// tokens into per-group accumulators, then the group's scale is applied with one FMA; one horizontal sum per output
+// at the end.
 #include <immintrin.h>
 
 #include "gemm_int4.h"
@@ -53,16 +54,24 @@ void rows(const GemmProblem& p, const float* xf, int64_t ld, int64_t m0, int64_t
 
 }  // namespace
 
-void int4_rows_avx2(const GemmProblem& p, int64_t n0, int64_t n1) {
-  const int64_t ld = (p.K + kPerWord - 1) / kPerWord * kPerWord;
-  float* xf = thread_floats(kTokens * ld);
+int64_t int4_x_elems_avx2(int64_t K) { return 2 * ((K + kPerWord - 1) / kPerWord * kPerWord); }
+
+void int4_prepare_x_avx2(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, float* out) {
+  const int64_t ld = int4_x_elems_avx2(K) / 2;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < ld; ++k) out[m * ld + k] = k < K ? bf16_to_float(x[m * ldx + k]) : 0.f;
+}
+
+void int4_rows_avx2(const GemmProblem& p, const float* xprep, int64_t n0, int64_t n1) {
+  const int64_t ld = int4_x_elems_avx2(p.K) / 2;
+  if (!xprep) {  // prepared here, for this call's tokens only
+    float* buf = thread_floats(p.M * ld);
+    int4_prepare_x_avx2(p.x, p.ldx, p.M, p.K, buf);
+    xprep = buf;
+  }
   for (int64_t m0 = 0; m0 < p.M; m0 += kTokens) {
-    const int mt = int(p.M - m0 < kTokens ? p.M - m0 : kTokens);
-    for (int t = 0; t < mt; ++t) {
-      const uint16_t* x = p.x + (m0 + t) * p.ldx;
-      for (int64_t k = 0; k < ld; ++k) xf[t * ld + k] = k < p.K ? bf16_to_float(x[k]) : 0.f;
-    }
-    switch (mt) {
+    const float* xf = xprep + m0 * ld;
+    switch (p.M - m0 < kTokens ? p.M - m0 : kTokens) {
       case 1: rows<1>(p, xf, ld, m0, n0, n1); break;
       case 2: rows<2>(p, xf, ld, m0, n0, n1); break;
       case 3: rows<3>(p, xf, ld, m0, n0, n1); break;

@@ -94,7 +94,9 @@ struct MoELayer::Plan {
   std::function<void()> on_done;  // called by the last participant out of a submitted call
   int threads = 1;
   int64_t d_chunk = 0, n_chunks = 0, ldxp = 0, ldh = 0;
-  Scratch<uint16_t> xg, xprep, h;
+  // INT4 experts: x and h rows as the INT4 kernel reads them (int4_prepare_x), per grouped row (0: read as they are)
+  int64_t ldxq = 0, ldhq = 0;
+  Scratch<uint16_t> xg, xprep, h, xq, hq;
   Scratch<float> g, u, y;
 };
 
@@ -291,6 +293,9 @@ void MoELayer::schedule(const std::string& isa, int participants) {
   if (any_prepared) p.xprep.get(prepared * p.ldxp);
   p.h.get(prepared * p.ldh, /*zero=*/p.ldh != I_);  // the lanes past I stay zero
   p.g.get(R * I_), p.u.get(R * I_), p.y.get(R * D_);
+  const bool int4 = wt_ == WeightType::int4;
+  p.ldxq = int4 ? int4_x_elems(p.isa, D_) : 0, p.ldhq = int4 ? int4_x_elems(p.isa, I_) : 0;
+  p.xq.get(R * p.ldxq), p.hq.get(R * p.ldhq);
 
   const int64_t per_expert = std::max<int64_t>(1, (8 * p.threads + n_used - 1) / std::max<int64_t>(n_used, 1));
   const int64_t gu_chunk = round_up((I_ + per_expert - 1) / per_expert, 64);
@@ -322,7 +327,7 @@ void MoELayer::schedule(const std::string& isa, int participants) {
     std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p.rows[a] > p.rows[b]; });
   for (int32_t i = 0; i < n_used; ++i) {
     const int32_t e = order[i];
-    p.gu_left[e] = int((I_ + gu_chunk - 1) / gu_chunk);
+    p.gu_left[e] = int((I_ + gu_chunk - 1) / gu_chunk) + (p.ldhq ? 1 : 0);  // + 1: h's preparation (gate_up)
     p.prep[e] = 0;
     push(e, 0, I_, gu_chunk);
     if (i >= lag) push(order[i - lag], 1, D_, d_chunk);
@@ -355,10 +360,13 @@ void MoELayer::prepare_expert(int e) {
   if (p.prep[e].compare_exchange_strong(expected, 1)) {
     const int64_t t0 = now_ns();
     const int64_t base = p.row0[e];
-    for (int64_t r = 0; r < p.rows[e]; ++r)
-      std::memcpy(p.xg.data() + (base + r) * D_, p.x + p.token[base + r] * p.ldx, D_ * sizeof(uint16_t));
+    for (int64_t r = 0; r < p.rows[e]; ++r) {
+      const uint16_t* x = p.x + p.token[base + r] * p.ldx;
+      if (p.ldxq) int4_prepare_x(p.isa, x, p.ldx, 1, D_, p.xq.data() + (base + r) * p.ldxq);  // the gather itself
+      else std::memcpy(p.xg.data() + (base + r) * D_, x, D_ * sizeof(uint16_t));
+    }
     const GemmProblem q{p.xg.data() + base * D_, D_, nullptr, 0, nullptr, 0, nullptr, 0, p.rows[e], 0, D_, wt_};
-    prepare_x_rows(p.isa, p.layout[e], q, p.xprep.data() + p.prow0[e] * p.ldxp);
+    prepare_x_rows(p.isa, p.layout[e], q, p.xprep.data() + p.prow0[e] * p.ldxp);  // FP8, BF16
     p.prep_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     p.prep[e].store(2, std::memory_order_release);
   }
@@ -371,7 +379,9 @@ void MoELayer::gate_up(int e, int64_t r0, int64_t r1, uint16_t* tile) {
   const Expert& w = w_[p.used[e]];
   const int64_t base = p.row0[e], M = p.rows[e];
   const uint16_t* x = p.xg.data() + base * D_;
-  const uint16_t* xprep = p.layout[e] == XLayout::plain ? nullptr : p.xprep.data() + p.prow0[e] * p.ldxp;
+  const uint16_t* xprep = p.ldxq                            ? p.xq.data() + base * p.ldxq
+                          : p.layout[e] == XLayout::plain ? nullptr
+                                                          : p.xprep.data() + p.prow0[e] * p.ldxp;
   float* g = p.g.data() + base * I_;
   float* u = p.u.data() + base * I_;
   const int64_t t0 = now_ns();
@@ -406,8 +416,14 @@ void MoELayer::gate_up(int e, int64_t r0, int64_t r1, uint16_t* tile) {
       for (int64_t j = 0; j < n; ++j) row[at[j]] = v[j];
     }
   }
-  p.silu_ns.fetch_add(now_ns() - t1, std::memory_order_relaxed);
-  p.gu_left[e].fetch_sub(1, std::memory_order_acq_rel);
+  const int64_t t2 = now_ns();
+  p.silu_ns.fetch_add(t2 - t1, std::memory_order_relaxed);
+  // INT4: the expert's last gate/up task (the count down to its + 1) prepares h for the down tasks, then lets them go
+  if (p.gu_left[e].fetch_sub(1, std::memory_order_acq_rel) == 2 && p.ldhq) {
+    int4_prepare_x(p.isa, h, p.ldh, M, I_, p.hq.data() + base * p.ldhq);
+    p.prep_ns.fetch_add(now_ns() - t2, std::memory_order_relaxed);
+    p.gu_left[e].fetch_sub(1, std::memory_order_release);
+  }
 }
 
 void MoELayer::down(int e, int64_t r0, int64_t r1, uint16_t* tile) {
@@ -415,11 +431,11 @@ void MoELayer::down(int e, int64_t r0, int64_t r1, uint16_t* tile) {
   wait_until([&] { return p.gu_left[e].load(std::memory_order_acquire) == 0; }, p.wait_ns);  // the expert's barrier
   const Expert& w = w_[p.used[e]];
   const int64_t base = p.row0[e];
-  const bool plain = p.layout[e] == XLayout::plain;
   const uint16_t* h = p.h.data() + p.prow0[e] * p.ldh;
+  const uint16_t* xprep = p.ldhq ? p.hq.data() + base * p.ldhq : p.layout[e] == XLayout::plain ? nullptr : h;
   const GemmProblem q = problem(h, p.ldh, w.down, w.ld_d, w.ds, w.lds_d, p.y.data() + base * D_, D_, p.rows[e], D_, I_);
   const int64_t t0 = now_ns();
-  gemm_rows(p.isa, q, plain ? nullptr : h, r0, r1, tile);
+  gemm_rows(p.isa, q, xprep, r0, r1, tile);
   const int64_t t1 = now_ns();
   p.down_ns.fetch_add(t1 - t0, std::memory_order_relaxed);
   const int64_t j = r0 / p.d_chunk;  // down tasks are whole chunks

@@ -60,7 +60,7 @@ class MoELayer {
   double last_wait_s() const;
   double last_tail_s() const;
   // The last call's participants' seconds in each stage of the tasks, summed over them: "prep" (an expert's
-  // activations gathered and packed), "gate_up" (the two GEMMs), "silu" (SiLU ⊙ up into the down GEMM's layout),
+  // activations gathered and packed; INT4: its h too), "gate_up" (the two GEMMs), "silu" (SiLU ⊙ up into the down GEMM's layout),
   // "down" (its GEMM), "sums" (the weighted sums over experts).
   std::map<std::string, double> last_stage_s() const;
 
