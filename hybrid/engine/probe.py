@@ -29,7 +29,7 @@ def probe(hw: HwConfig, dtype: torch.dtype = torch.bfloat16, cpu_peer: bool = Fa
     if not cuda:
         return out
     device = torch.device("cuda", 0)
-    from hybrid.engine.cuda_graphs import stream_waits  # loads the CUDA driver's entry point
+    from hybrid.engine.capture import stream_waits  # loads the CUDA driver's entry point
 
     return replace(out, gpu_count=torch.cuda.device_count(), green_contexts=green_contexts(),
                    stream_waits=stream_waits(device),

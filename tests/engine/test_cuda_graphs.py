@@ -11,8 +11,8 @@ from hybrid import _native
 from hybrid.config.compose import compose, to_settings
 from hybrid.engine.requests import SamplingParams
 from hybrid.engine.build import build
-from hybrid.engine.cuda_graphs import (AHEAD_TOKENS, MIN_BUCKET, CapturedExperts, GraphedDecode, _Graph,
-                                       buckets_ahead, kv_bucket, stream_waits)
+from hybrid.engine.capture import CapturedExperts, stream_waits
+from hybrid.engine.cuda_graphs import AHEAD_TOKENS, MIN_BUCKET, GraphedDecode, _Graph, buckets_ahead, kv_bucket
 from hybrid.placement.passes import CpuExperts, cpu_experts, experts_to_cpu_kernels, swap_experts
 from hybrid.placement.staging import Staging
 from hybrid.model.moe import MoE

@@ -11,13 +11,14 @@ import torch
 
 from hybrid.config import compose, to_settings
 from hybrid.engine.build import build
-from hybrid.engine.cuda_graphs import CpuStep, interleave
+from hybrid.engine.capture import CpuStep, interleave
 from hybrid.engine.decoder import Decoder, Eager
 from hybrid.engine.engine import Engine
 from hybrid.engine.runner import ModelRunner
 from hybrid.engine.staggered import micro_batches
 from hybrid.placement.passes import CpuExperts, experts_to_cpu_kernels
 from hybrid.engine.probe import local_plan
+from hybrid.plan.plan import Plan
 from hybrid.engine.requests import FinishReason, Request, SamplingParams
 from hybrid.placement.staging import Staging
 from hybrid.model.moe import MoE

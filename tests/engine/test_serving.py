@@ -9,6 +9,7 @@ import torch
 
 from hybrid.engine.engine import Engine
 from hybrid.engine.probe import local_plan
+from hybrid.plan.plan import Plan
 from hybrid.engine.requests import FinishReason, RequestError, SamplingParams
 from hybrid.engine.scheduler import Scheduler
 from hybrid.engine.requests import Request, State
