@@ -46,7 +46,8 @@ from hybrid.parallel.shared import attach_experts, pin_shared
 from hybrid.parallel.smallep import MODES, shard
 from hybrid.plan.plan import PrefillPlan
 from hybrid.prefill.ring import expert_tensors, layout
-from hybrid.prefill.slp import PrefillCancelled, StreamLoader
+from hybrid.prefill.pipeline import PrefillCancelled
+from hybrid.prefill.slp import StreamLoader
 
 POLL_S = 0.05  # how often rank 0, waiting on the pipe, checks that the peer process is alive
 STOP_S = 30.0  # close(): how long the peer may take to leave before it is killed

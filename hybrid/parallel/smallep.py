@@ -28,7 +28,8 @@ from torch import nn
 
 from hybrid.model.moe import MoE, RoutedExperts
 from hybrid.parallel.group import Dist
-from hybrid.prefill.slp import SWITCH_INTERVAL_S, HostExpertLayer, Pipeline, StreamedExperts, StreamLoader
+from hybrid.prefill.pipeline import HostExpertLayer, Pipeline
+from hybrid.prefill.slp import SWITCH_INTERVAL_S, StreamedExperts, StreamLoader
 
 MODES = ("smallep", "ep")
 

@@ -11,7 +11,7 @@ share of the interpreter lock and the host's cores compete with decode's steps.
     throttle.breathe()                        # the prefill's model thread between pieces of work: rests once
                                               # it has had its share of the time
 
-The queue bound is the loader's to keep (hybrid/prefill/slp.py): decode's own small host->device copies go through
+The queue bound is the loader's to keep (hybrid/prefill/pipeline.py): decode's own small host->device copies go through
 the same copy engine as the stream's, behind whatever the stream has queued.
 
 The duty cycle limits the whole prefill, not only its copies: after `duty * DUTY_PERIOD_S` at work the model thread

@@ -20,8 +20,9 @@ from hybrid.engine.probe import local_plan
 from hybrid.engine.requests import FinishReason, SamplingParams
 from hybrid.errors import ConfigError
 from hybrid.kernels import thread_pool
-from hybrid.prefill import slp
-from hybrid.prefill.slp import Pipeline, StreamLoader
+from hybrid.prefill import pipeline
+from hybrid.prefill.pipeline import Pipeline
+from hybrid.prefill.slp import StreamLoader
 from hybrid.prefill.throttle import Throttle
 from hybrid.weights.checkpoint import Checkpoint
 from hybrid.weights.loader import load_model
@@ -246,8 +247,8 @@ def test_a_limited_stream_copies_each_expert_in_pieces_and_keeps_tokens(pinned, 
     copies wait behind little); at full speed, one copy per expert."""
     slot = slot_bytes(pinned)
     piece = slot // 3 + 64
-    monkeypatch.setattr(slp, "PACED_COPY_BYTES", piece)
-    waits, real_wait, most, real_queue = [], Throttle.wait, [0], slp.Pipeline._queue
+    monkeypatch.setattr(pipeline, "PACED_COPY_BYTES", piece)
+    waits, real_wait, most, real_queue = [], Throttle.wait, [0], Pipeline._queue
 
     def wait(self, nbytes, stop=None):
         waits.append((nbytes, self.limited))
@@ -258,7 +259,7 @@ def test_a_limited_stream_copies_each_expert_in_pieces_and_keeps_tokens(pinned, 
         most[0] = max(most[0], self._queued_bytes)
 
     monkeypatch.setattr(Throttle, "wait", wait)
-    monkeypatch.setattr(slp.Pipeline, "_queue", queue)
+    monkeypatch.setattr(Pipeline, "_queue", queue)
     bound = None if queued is None else queued * piece
     short, long_ = (_prompt(10, 1), _greedy(60)), (_prompt(40, 2), _greedy(4))
     got = _run(_engine(pinned, cap=cap, queue_bytes=bound), {0: [short], 2: [long_]})
@@ -286,7 +287,7 @@ def test_the_queue_bound_waits_for_the_oldest_copies():
         def synchronize(self):
             self.waited = True
 
-    pipe = slp.Pipeline.__new__(slp.Pipeline)
+    pipe = Pipeline.__new__(Pipeline)
     pipe.throttle, pipe.queue_wait_s = Throttle(None, 10), 0.0
     first, second = Done(), Done()
     pipe._queued, pipe._queued_bytes = collections.deque([(6, first), (4, second)]), 10

@@ -17,7 +17,7 @@ from hybrid.placement.passes import (VARIANTS, CpuExperts, DeferredCpuExperts, E
 from hybrid.placement.staging import Staging
 from hybrid.errors import ConfigError
 from hybrid.model.moe import MoE
-from hybrid.prefill.slp import HostExpertLayer
+from hybrid.prefill.pipeline import HostExpertLayer
 from hybrid.prefill.ring import expert_tensors
 from hybrid.weights.checkpoint import Checkpoint
 from hybrid.weights.loader import load_model

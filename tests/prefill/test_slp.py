@@ -18,7 +18,8 @@ from hybrid.errors import ConfigError
 from hybrid.model.moe import MoE
 from hybrid.prefill.ring import overwritten_before_off
 from hybrid.prefill import slp
-from hybrid.prefill.slp import Pipeline, StreamedExperts, StreamLoader
+from hybrid.prefill.pipeline import Pipeline
+from hybrid.prefill.slp import StreamedExperts, StreamLoader
 from hybrid.weights.checkpoint import Checkpoint
 from hybrid.weights.loader import load_model
 from hybrid.weights.synthetic import write_checkpoint
