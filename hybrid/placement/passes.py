@@ -205,8 +205,8 @@ def experts_to_cpu_kernels(model: nn.Module, kernel: str = "auto", staging: Opti
 
 class ExpertsWrapper(nn.Module):
     """Base of the wrappers swapped in around a layer's CpuExperts (`swap_experts`): the layer stays a submodule, so
-    `cpu_experts` still finds it, and its host-side attributes read through (hybrid/prefill/pipeline.py HostExpertLayer).
-    Subclasses define `start`."""
+    `cpu_experts` still finds it, and its host-side attributes read through (hybrid/prefill/pipeline.py
+    HostExpertLayer). Subclasses define `start`."""
 
     def __init__(self, layer: CpuExperts):
         super().__init__()
