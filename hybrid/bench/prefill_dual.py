@@ -10,7 +10,7 @@ gather, norms, dense layers) — one extra run with a device synchronisation at 
 
 Each rank places the model as the engine's prefill peer does (hybrid/engine/build.py `peer_model`, from the plan
 `plan_for` resolves) and attaches its routed experts to the one shared copy the parent made (`shared_experts`); its
-ring is sized as the peer's (hybrid/parallel/peer.py `streaming`).
+ring is sized as the peer's (hybrid/parallel/peer_commands.py `streaming`).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from hybrid.engine.build import peer_model, plan_for, shared_experts
 from hybrid.errors import ConfigError
 from hybrid.models import args_of
 from hybrid.parallel.group import Dist, run_ranks
-from hybrid.parallel.peer import Knobs, streaming
+from hybrid.parallel.peer_commands import Knobs, streaming
 from hybrid.parallel.prefill import parallel_prefill
 from hybrid.parallel.shared import attach_experts, pin_shared
 from hybrid.parallel.smallep import MODES, PhaseClock, shard

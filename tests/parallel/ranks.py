@@ -99,7 +99,7 @@ def run_cases(d: Dist, cases: list[dict], arenas: Optional[list] = None, bench: 
 
 def bench_runs(d: Dist, arenas: list, ck: Path, lengths: list[int]) -> list[dict]:
     from hybrid.bench.prefill_dual import _measure
-    from hybrid.parallel.peer import Knobs
+    from hybrid.parallel.peer_commands import Knobs
 
     model = load(ck, d.device, streamed=True)
     attach_experts(model, arenas)

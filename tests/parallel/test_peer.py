@@ -15,7 +15,8 @@ import torch.distributed as dist
 from hybrid.config.compose import compose, to_settings
 from hybrid.engine.build import build
 from hybrid.engine.requests import FinishReason, SamplingParams
-from hybrid.parallel.peer import Knobs, Peer, alone
+from hybrid.parallel.peer import Peer
+from hybrid.parallel.peer_commands import Knobs, alone
 from hybrid.prefill.slp import StreamLoader
 
 CUTOFF = 16  # prompts longer than this take the two-device paths
