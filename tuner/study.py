@@ -11,61 +11,42 @@ Trials that count toward `tuner.n_trials`: complete ones (feasible or not) and t
 (crash, deadline). A trial whose worker died (killed tuner, lost machine) stops sending heartbeats; after
 `tuner.grace_s` it is failed and re-queued with the same parameters (Optuna's RetryHeartbeatStaleTrialCallback),
 and does not count. A trial interrupted by Ctrl-C / SIGTERM is re-queued by the next start.
+
+Here the loop (`Tuner`); the storage and sampler: tuner/storage.py; the cutoff's measurement: tuner/cutoff.py; a
+trial's MLflow params and config and the written policy: tuner/report.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
-import warnings
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 from omegaconf import DictConfig
 
 from hybrid import tracking
 from hybrid.plan.plan import rebuildable
-from hybrid.config.compose import CONF_DIR, RUNS_DIR, settings_of
+from hybrid.config.compose import RUNS_DIR, settings_of
 from hybrid.errors import ConfigError
-from tuner import plots, policy as policy_file, space as sp, trial as trial_run
-from tuner.config import Cutoff, Sampler, TuneConfig, flat_params
-from tuner.track import StudyTracker, fresh_user_attrs
+from tuner import plots, space as sp, trial as trial_run
+from tuner.config import Cutoff, TuneConfig
+from tuner.cutoff import CUTOFF, measured_crossover
+from tuner.report import SHOWN, fmt, parent_params, trial_config, trial_params, write_policy
+from tuner.storage import open_study, redact, storage_url
+from tuner.track import StudyTracker
 
 COUNTED_FAILURES = ("crash", "deadline")
 # Overrides the tuner sets itself for the trial worker (the user's own are dropped from what it gets).
 OWN_KEYS = ("mode", "bench", "output")
 WORKER_OWN = ["mode=bench", "bench=slo", "tracking.enabled=false"]
-CUTOFF = "prefill.slp_cutoff_tokens"
-# The figures of a trial shown on its progress line, and the TTFT / TPOT pair its Pareto plot draws, by what it
-# measures
-SHOWN = ("goodput_req_s", "ttft_p90_s", "tpot_p90_s", "ttft_s", "tpot_s", "decode_tok_s", "errors")
+# The TTFT / TPOT pair a study's Pareto plot draws, by what it measures
 PAIRS = {"workload": ("ttft_p90_s", "tpot_p90_s"), "slo": ("ttft_s", "tpot_s")}
 
 
 class TrialFailed(Exception):
     """A trial that crashed or missed its deadline: recorded as failed, the sweep goes on."""
-
-
-def storage_url(cfg: TuneConfig) -> str:
-    return cfg.tuner.storage or f"sqlite:///{(RUNS_DIR / 'tuner.db').resolve()}"
-
-
-def redact(url: str) -> str:
-    """postgresql://user:secret@host/db -> postgresql://user:***@host/db"""
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        cred, host = rest.rsplit("@", 1)
-        if ":" in cred:
-            cred = cred.split(":", 1)[0] + ":***"
-        return f"{scheme}://{cred}@{host}"
-    return url
 
 
 def trial_overrides(task_overrides: list[str], space: dict) -> list[str]:
@@ -130,73 +111,6 @@ class Tuner:
                                     cfg.tracking.enabled)
         self._pending: dict[int, tuple] = {}
         self.started = time.monotonic()
-
-    # ------------------------------------------------------------------------------------------------ study
-    def open_study(self):
-        """Workers starting together on a fresh database race to create its tables: the loser retries."""
-        from sqlalchemy.exc import IntegrityError, OperationalError
-
-        for attempt in range(5):
-            try:
-                return self._open_study()
-            except (IntegrityError, OperationalError):
-                if attempt == 4:
-                    raise
-                time.sleep(1.0 + attempt)
-
-    def _open_study(self):
-        import optuna
-        from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
-
-        t = self.cfg.tuner
-        tracking.ensure_sqlite_dir(self.url)
-        engine_kwargs = {"connect_args": {"timeout": 60}} if self.url.startswith("sqlite") else {}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # heartbeat_interval is "experimental"
-            storage = RDBStorage(self.url, engine_kwargs=engine_kwargs, heartbeat_interval=t.heartbeat_s,
-                                 grace_period=t.grace_s,
-                                 heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(t.max_retry))
-        if t.sampler == Sampler.grid:
-            sampler = optuna.samplers.GridSampler(sp.grid(self.space), seed=t.seed)
-        else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # multivariate is "experimental"
-                sampler = optuna.samplers.TPESampler(n_startup_trials=t.startup_trials, seed=t.seed,
-                                                     multivariate=t.multivariate, group=t.multivariate)
-        study = optuna.create_study(study_name=self.name, storage=storage, sampler=sampler,
-                                    directions=self.directions, load_if_exists=True)
-        if study.directions != [optuna.study.StudyDirection[d.upper()] for d in self.directions]:
-            raise ConfigError(f"study {self.name} exists with directions {study.directions}: give another "
-                              "tuner.study_name")
-        if "space" not in study.user_attrs:
-            study.set_user_attr("space", self.space)
-            study.set_user_attr("objective", sp.objective_spec(self.cfg))
-            study.set_user_attr("hw", self.cfg.hw.name)
-            study.set_user_attr("model", self.cfg.model.name)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            optuna.storages.fail_stale_trials(study)  # a killed worker's trial: failed, re-queued
-        self._requeue_interrupted(study)
-        if t.sampler == Sampler.grid:  # every point once: nothing to enqueue
-            return study
-        warm = sp.warm_start(self.cfg, self.space, self.machine.physical_cores)
-        if warm:
-            study.enqueue_trial(warm, user_attrs={"source": "current policy"}, skip_if_exists=True)
-        for extra in t.enqueue:
-            params = sp.in_space(flat_params(extra), self.space)
-            if params:
-                study.enqueue_trial(params, user_attrs={"source": "tuner.enqueue"}, skip_if_exists=True)
-        return study
-
-    def _requeue_interrupted(self, study) -> None:
-        from optuna.trial import TrialState
-
-        trials = study.get_trials(deepcopy=False)
-        retried = {t.user_attrs.get("retry_of") for t in trials}
-        for t in trials:
-            if (t.state == TrialState.FAIL and t.user_attrs.get("failure") == "interrupted"
-                    and t.number not in retried and t.params):
-                study.enqueue_trial(t.params, user_attrs={"retry_of": t.number, "source": "interrupted trial"})
 
     # ------------------------------------------------------------------------------------------------ trials
     def key(self, params: dict[str, Any]) -> tuple[str, ...]:
@@ -266,7 +180,7 @@ class Tuner:
         feas = ok and feasible(ft) and ft.user_attrs.get("outcome") == "ok"
         m = ft.user_attrs.get("metrics", {})
         if ok:
-            figures = ", ".join(f"{k} {_fmt(m[k])}" for k in SHOWN if k in m)
+            figures = ", ".join(f"{k} {fmt(m[k])}" for k in SHOWN if k in m)
             what = f"{'feasible' if feas else 'INFEASIBLE (' + ft.user_attrs.get('outcome', '') + ')'}: {figures}"
         else:
             what = f"{ft.user_attrs.get('failure') or 'failed'}: {trial_run.reason(ft.user_attrs.get('detail') or '')}"
@@ -275,7 +189,7 @@ class Tuner:
         if best is not None:
             label = "best" if len(self.metrics) == 1 else f"Pareto front of {len(study.best_trials)}, best goodput"
             best_text = f" | {label}: trial {best.number} " + ", ".join(
-                f"{k} {_fmt(v)}" for k, v in zip(self.metrics, best.values))
+                f"{k} {fmt(v)}" for k, v in zip(self.metrics, best.values))
         timing = "?"
         if out is not None:
             timing = (f"{out.seconds:.1f} s: model {'loaded' if out.started else 'reused'}"
@@ -285,7 +199,8 @@ class Tuner:
             objective = {k: v for k, v in zip(self.metrics, ft.values)} if ok and ft.values else {}
             best_value = best.values[0] if best is not None and len(self.metrics) == 1 else None
             try:
-                logged, config = self.trial_params(params, out), self.trial_config(params)
+                logged = trial_params(self.cfg, self.fixed, params, out)
+                config = trial_config(self.cfg, self.fixed, params)
             except ValueError as e:  # a policy the schema refused (the trial failed on it): its knobs as sampled
                 logged = {f"policy.{k}": str(v) for k, v in params.items()}
                 config = f"# refused: {e}\n" + "".join(f"{k}: {v!r}\n" for k, v in params.items())
@@ -294,27 +209,6 @@ class Tuner:
                                       f"on {self.cfg.hw.name}")
         if counted(study.get_trials(deepcopy=False)) >= self.cfg.tuner.n_trials:
             study.stop()
-
-    def trial_settings(self, params: dict[str, Any]):
-        return dataclasses.replace(self.cfg, policy=policy_file.checked(self.cfg.policy, {**self.fixed, **params}))
-
-    def trial_params(self, params: dict[str, Any], out) -> dict[str, str]:
-        """A trial's MLflow params: its whole policy, the hw profile, the model, what it measured, threads and kernel
-        it ran with."""
-        s = self.trial_settings(params)
-        report = out.report
-        flat = {**tracking.flatten(s.hw, "hw."), **tracking.flatten(s.model, "model."),
-                **tracking.flatten(s.policy, "policy."), **{k: str(v) for k, v in sp.flat_measured(self.cfg).items()}}
-        flat.update({"run.threads": str(report.get("threads", "")), "run.kernel": str(report.get("kernel", ""))})
-        return flat
-
-    def trial_config(self, params: dict[str, Any]) -> str:
-        from omegaconf import OmegaConf
-
-        s = self.trial_settings(params)
-        node = {"hw": asdict(s.hw), "model": asdict(s.model), "policy": asdict(s.policy),
-                **sp.measured(self.cfg)}
-        return OmegaConf.to_yaml(OmegaConf.create(json.loads(json.dumps(node, default=str))))
 
     # --------------------------------------------------------------------------------------------- the best
     def candidates(self, study) -> list:
@@ -336,38 +230,11 @@ class Tuner:
 
     # ------------------------------------------------------------------------------------------------- cutoff
     def set_cutoff(self, study) -> None:
-        """tuner.cutoff=measure on a GPU profile: the crossover of the two prefill paths on the workload's prompt
-        lengths (measured once per study, by the first tuner to get there) becomes every trial's cutoff."""
-        t = self.cfg.tuner
-        if not self.gpu:
-            if t.goal.measure == "workload":
-                print("cutoff: no GPU in this profile: every prompt takes the CPU path, so "
-                      f"policy.{CUTOFF} is moot (not measured)", flush=True)
-            return
-        if not self.measure_cutoff:
-            return
-        cross = study.user_attrs.get("crossover")
-        if cross is None:
-            w = self.cfg.workload
-            lengths = spread(w.prompt_tokens[0], w.prompt_tokens[1], t.crossover_lengths)
-            warm = {**sp.warm_start(self.cfg, self.space, self.machine.physical_cores)}
-            print(f"cutoff: timing the first token on both prefill paths at {lengths} tokens ...", flush=True)
-            t0 = time.monotonic()
-            try:
-                cross = self.worker.call(self.key(warm), {"op": "crossover", "policy": warm, "lengths": lengths},
-                                         t.trial_timeout_s, self.log_dir / "crossover.log")
-            except RuntimeError as e:
-                print(f"warning: cutoff not measured ({e}): policy.{CUTOFF} stays as configured "
-                      f"({self.cfg.policy.prefill.slp_cutoff_tokens})", file=sys.stderr, flush=True)
-                return
-            cross = {**cross, "lengths": lengths, "policy": warm, "seconds": round(time.monotonic() - t0, 2)}
-            if "crossover" not in fresh_user_attrs(study):
-                study.set_user_attr("crossover", cross)
-            cross = fresh_user_attrs(study)["crossover"]
-        self.crossover = cross
-        self.fixed[CUTOFF] = cross["cutoff"]
-        shown = ", ".join(f"{n}: CPU {c:.3f} s / SLP {g:.3f} s" for (n, c), (_, g) in zip(cross["cpu"], cross["slp"]))
-        print(f"cutoff: policy.{CUTOFF}={cross['cutoff']} for every trial (TTFT {shown})", flush=True)
+        """tuner.cutoff=measure: the measured crossover (tuner/cutoff.py) becomes every trial's cutoff."""
+        cross = measured_crossover(self, study)
+        if cross is not None:
+            self.crossover = cross
+            self.fixed[CUTOFF] = cross["cutoff"]
 
     # ---------------------------------------------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
@@ -375,7 +242,8 @@ class Tuner:
 
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own progress lines instead
         t = self.cfg.tuner
-        study = self.open_study()
+        study = open_study(self.cfg, self.name, self.url, self.space, self.directions,
+                           self.machine.physical_cores)
         done = counted(study.get_trials(deepcopy=False))
         print(f"study {self.name} ({redact(self.url)}): {done}/{t.n_trials} trials done; "
               f"objective {sp.objective_spec(self.cfg)}", flush=True)
@@ -384,7 +252,7 @@ class Tuner:
               flush=True)
         if self.overrides:
             print("trial worker gets: " + " ".join(self.overrides), flush=True)
-        self.tracker.start(study, self._parent_params())
+        self.tracker.start(study, parent_params(self))
         status = "FINISHED"
         try:
             if done < t.n_trials:
@@ -430,9 +298,9 @@ class Tuner:
             result.update(best_trial=best.number, best_params={**self.fixed, **best.params},
                           best_metrics=best.user_attrs.get("metrics", {}))
             print(f"best: trial {best.number} {result['best_params']} -> " + ", ".join(
-                f"{k} {_fmt(v)}" for k, v in best.user_attrs.get("metrics", {}).items()), flush=True)
+                f"{k} {fmt(v)}" for k, v in best.user_attrs.get("metrics", {}).items()), flush=True)
             if t.write_policy and status == "FINISHED":
-                path = self.write_policy(best)
+                path = write_policy(self, best)
                 result["policy_path"] = str(path)
                 texts["best_policy.yaml"] = path.read_text()
         else:
@@ -462,50 +330,6 @@ class Tuner:
             raise KeyboardInterrupt
         return result
 
-    def write_policy(self, best) -> Path:
-        hw = self.cfg.hw.name
-        tuned = policy_file.checked(self.cfg.policy, {**self.fixed, **best.params})
-        m = best.user_attrs.get("metrics", {})
-        metric = ", ".join(f"{k} = {_fmt(m[k])}" for k in dict.fromkeys([*self.metrics, *SHOWN]) if k in m)
-        if len(self.metrics) > 1:
-            metric += " (the feasible Pareto front's best goodput)"
-        header = policy_file.header(self.name, best.number, metric, redact(self.url))
-        if self.crossover is not None:
-            header.insert(4, f"cutoff: the measured crossover of the two prefill paths at "
-                             f"{self.crossover['lengths']} tokens")
-        path = policy_file.write(CONF_DIR, hw, tuned, header)
-        hw_path, changed = policy_file.select_in_hw_profile(CONF_DIR, hw)
-        print(f"policy written: {path}" + (f"; {hw_path} now selects it" if changed else ""), flush=True)
-        self.verify(hw, tuned)
-        return path
-
-    def verify(self, hw: str, tuned) -> None:
-        """`python -m hybrid +hw=<hw>` composes the written policy (the same check a user makes by hand)."""
-        p = subprocess.run([sys.executable, "-m", "hybrid", f"+hw={hw}", "--cfg", "job", "--package", "policy"],
-                           capture_output=True, text=True, timeout=120)
-        shown = yaml.safe_load(p.stdout.split("\n", 1)[1] if p.stdout.startswith("# @package") else p.stdout)
-        got = (shown or {}).get("policy", shown)
-        if p.returncode != 0 or got != asdict(tuned):
-            raise RuntimeError(f"+hw={hw} does not compose the written policy:\n{p.stdout}{p.stderr}")
-        print(f"checked: `python -m hybrid +hw={hw}` uses it", flush=True)
-
-    def _parent_params(self) -> dict[str, str]:
-        c = self.cfg
-        params = {"study": self.name, "storage": redact(self.url), "hw": c.hw.name, "model": c.model.name,
-                  "space": json.dumps(self.space), "reload": ",".join(sorted(self.reload)) or "-",
-                  "trial_overrides": " ".join(self.overrides) or "-"}
-        params.update({f"tuner.{k}": str(v) for k, v in tracking.flatten(c.tuner).items()
-                       if not k.startswith(("spaces", "storage", "enqueue"))})
-        params.update({k: str(v) for k, v in sp.flat_measured(c).items()})
-        return params
-
-
-def spread(lo: int, hi: int, n: int) -> list[int]:
-    """n prompt lengths from lo to hi, evenly on a log scale (fewer where they round to the same)."""
-    if lo == hi:
-        return [lo]
-    return sorted({round(lo * (hi / lo) ** (i / (n - 1))) for i in range(n)})
-
 
 def _retry_of(trial) -> Optional[int]:
     """The trial this one repeats: a heartbeat-stale one (Optuna's retry callback) or an interrupted one."""
@@ -515,10 +339,6 @@ def _retry_of(trial) -> Optional[int]:
     except Exception:  # noqa: BLE001 - informational
         number = None
     return number if number is not None else trial.user_attrs.get("retry_of")
-
-
-def _fmt(v: float) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def install_sigterm() -> None:

@@ -15,7 +15,8 @@ from hybrid.errors import ConfigError
 from tuner import policy, space as sp, trial
 from tuner.config import TuneConfig, flat_params, register as register_tuner
 from tuner.select import pareto_front
-from tuner.study import counted, spread, trial_overrides
+from tuner.cutoff import spread
+from tuner.study import counted, trial_overrides
 
 
 @pytest.fixture
