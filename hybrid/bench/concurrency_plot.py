@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
-from hybrid.bench.concurrency import parse_scenario
+from hybrid.bench.scenario import parse_scenario
 from hybrid.bench.records import Record
 from hybrid.config.bench import label, policy_keys
 

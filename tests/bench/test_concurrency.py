@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from hybrid.bench.concurrency import (Scenario, _cpu_spans, _intervals, _layer_spans, cpu_busy, parse_scenario,
-                                      step_parts)
+from hybrid.bench.scenario import Scenario, _intervals, parse_scenario
+from hybrid.bench.step_spans import cpu_busy, cpu_spans, layer_spans, step_parts
 from hybrid.config.compose import compose, to_settings
 from hybrid.errors import ConfigError
 
@@ -83,10 +83,10 @@ def test_layer_spans_gather_each_layer_across_the_graphs():
     class Engine:
         graphs = Graphs()
 
-    taken = _cpu_spans(Engine, True)
+    taken = cpu_spans(Engine, True)
     assert all(job.tracing and job.spans == [] for job in (*g1, *g2, lane))
-    assert _layer_spans(Engine, taken) == [[(0, 5), (20, 25)], [(6, 9), (26, 29)]]
-    assert step_parts(_layer_spans(Engine, taken), 0, 30) == {"cpu_experts": 8, "between_layers": 1,
+    assert layer_spans(Engine, taken) == [[(0, 5), (20, 25)], [(6, 9), (26, 29)]]
+    assert step_parts(layer_spans(Engine, taken), 0, 30) == {"cpu_experts": 8, "between_layers": 1,
                                                                "between_steps": 11}
 
 
