@@ -20,6 +20,17 @@ def best_per_call(calls: Sequence[Callable[[], object]], passes: int) -> float:
     return best
 
 
+def call_times(fn: Callable[[], object], reps: int) -> list[float]:
+    """Seconds of each of `reps` calls of fn, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def calls_for(budget_s: float, one_call_s: float, available: int, least: int = 4) -> int:
     """How many calls of a pass fit the time budget (at least `least`, at most what is available)."""
     return max(least, min(available, int(budget_s / max(one_call_s, 1e-9))))

@@ -1,12 +1,11 @@
-"""The memory plan of the compute device, in one place: what the budget is, what the KV cache, hot experts and the
-SLP group buffer take from it (the `Ledger`, fixed at build), and how the stream-loading ring and a prompt's
+"""The compute device's memory arithmetic: what the budget is, what the KV cache, hot experts and the SLP group buffer
+take from it (the plan's `Ledger`, hybrid/plan/plan.py, fixed at build), and how the stream-loading ring and a prompt's
 activations share what is left (per prompt: the ring as deep as that allows, or the prompt in chunks).
 
 Legend: T tokens, D hidden, I expert intermediate, K experts per token.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
@@ -17,28 +16,6 @@ from hybrid.model.kv_cache import KVCache
 
 GPU_RESERVE = 2e9  # bytes left free on the GPU for activations and the allocator's slack
 CPU_RESERVE = 2e9
-
-
-@dataclass(frozen=True)
-class Ledger:
-    """Device memory (bytes) as planned at build: the budget left beside the placed weights and what each use
-    takes from it; the stream-loading ring and the prompt's activations share `free`, per prompt."""
-    budget: float = 0.0
-    weights: float = 0.0
-    kv_cache: float = 0.0
-    hot_experts: float = 0.0
-    group_buffer: float = 0.0
-
-    @property
-    def free(self) -> float:
-        return self.budget - self.kv_cache - self.group_buffer
-
-    def rows(self) -> list[tuple[str, float]]:
-        return [("weights", self.weights), ("hot experts", self.hot_experts), ("KV cache", self.kv_cache),
-                ("SLP group buffer", self.group_buffer), ("left for ring + activations", self.free)]
-
-    def params(self) -> dict:
-        return {**asdict(self), "free": self.free}
 
 
 def free_bytes(device: torch.device, budget_gb: Optional[float] = None) -> float:

@@ -6,10 +6,10 @@ einsum / softmax / einsum on the same BF16 tensors (the CPU path before the kern
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from hybrid.bench.timing import call_times
 from hybrid.kernels import dispatch
 from hybrid.kernels.decode_attention import attention_code, decode_attention, set_schedule
 from hybrid.kernels.thread_pool import set_threads
@@ -18,13 +18,7 @@ H, C, R, SCALE = 128, 512, 64, 0.1
 
 
 def _best(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return min(call_times(fn, reps))
 
 
 def _torch(q, qp, kv, pe):

@@ -8,11 +8,11 @@ then the best of the rounds; docs/perf/kernels.md.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import torch
 
+from hybrid.bench.timing import call_times
 from hybrid.kernels import dispatch
 from hybrid.kernels.gemm import gemm
 from hybrid.kernels.membw import calibrate
@@ -32,13 +32,7 @@ def _weights(kind: str, rng, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _median(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return float(np.median(call_times(fn, reps)))
 
 
 def gemv(kind: str, variant: str, mats: int = 24):
