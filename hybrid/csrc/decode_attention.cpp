@@ -72,9 +72,10 @@ void run_heads(const AttentionProblem& p, ChunkKernel chunk, int64_t group) {
   std::atomic<int64_t> next{0};
   pool().run([&](int) {
     thread_local Scratch<float> buf;
-    float* m = buf.get(4 * group + group * p.C + chunk_scratch_floats(p, group));
+    const int64_t own = (4 * group + group * p.C + 15) / 16 * 16;  // the chunk kernel's scratch 64-byte aligned
+    float* m = buf.get(own + chunk_scratch_floats(p, group));
     float *l = m + group, *mj = l + group, *lj = mj + group, *oj = lj + group;
-    float* scratch = oj + group * p.C;
+    float* scratch = m + own;
     for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
       const int64_t b = t / groups, h0 = t % groups * group, h1 = std::min(p.H, h0 + group), n = h1 - h0;
       float* acc = p.out + (b * p.H + h0) * p.C;

@@ -111,6 +111,19 @@ def test_deepseek_heads_at_every_context(variant, context):
     run_and_check(variant, 128, 512, 64, [context, max(1, context // 3)], "sweep")
 
 
+@pytest.mark.parametrize("schedule", ["split", "heads"])
+@pytest.mark.parametrize("H,C,R", [(3, 40, 8), (5, 33, 7)])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_either_schedule_at_odd_dims(variant, H, C, R, schedule):
+    """Both schedules whatever the pool's size picks (auto takes heads where chunks are few for the threads: a
+    16-thread host ran heads here, and a group's scratch must stay aligned for the kernels' aligned loads)."""
+    try:
+        set_schedule(schedule)
+        run_and_check(variant, H, C, R, [1, 255, 256, 257, 7, 600], schedule)
+    finally:
+        set_schedule("auto")
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_a_sequence_gets_the_same_bits_alone_in_any_batch_schedule_or_pool(variant):
     """Batch invariance: a sequence's output alone equals its row in a batch of others, under either schedule
