@@ -23,7 +23,8 @@ PYBIND11_MODULE(_native, m) {
   py::class_<View>(m, "View").def(py::init<uintptr_t, std::string, std::vector<int64_t>, std::vector<int64_t>>());
   m.def("gemm", &gemm, nogil(), "y = x · wᵀ (FP8 block-scaled or BF16 weights)");
   m.def("head_gemm", &head_gemm, nogil(), "per-head y[:, h] = x[:, h] · w[h] (by rows) or · w[h]ᵀ, BF16");
-  m.def("decode_attention", &decode_attention, nogil(), "MLA decode attention over each sequence's cached positions");
+  m.def("decode_attention", &decode_attention, nogil(), "MLA decode attention over each sequence's cached positions "
+        "(a paged cache: pools of blocks, a block table)");
   m.def("attention_code", &attention_code, "the decode attention's code a variant name runs here");
   m.def("set_attention_schedule", &set_attention_schedule, "decode attention: 0 by the batch, 1 split-K, 2 heads");
   m.def("head_isa", &head_isa, "the batched-head kernel's code a variant name runs here");

@@ -1,5 +1,6 @@
-// Entry point of the MLA decode attention (decode_attention.h): checks, the variant, the two schedules over the
-// thread pool, the in-order merge of chunks; and the plain reference chunk kernel (any CPU).
+// Entry point of the MLA decode attention (decode_attention.h): checks (the block table's entries where sequences
+// read), the variant, the two schedules over the thread pool, the in-order merge of chunks; and the plain reference
+// chunk kernel (any CPU).
 #include "decode_attention.h"
 
 #include <algorithm>
@@ -145,25 +146,25 @@ Code code_for(const std::string& name) {
 // each latent output one FP32 sum over the positions in order.
 void attention_chunk_generic(const AttentionProblem& p, int64_t b, int64_t t0, int64_t t1, int64_t h0, int64_t h1,
                              float* m, float* l, float* o, float* scratch) {
-  const uint16_t* kv = p.kv + p.slots[b] * p.skvs;
-  const uint16_t* pe = p.pe + p.slots[b] * p.spes;
+  const auto [kv, pe] = chunk_rows(p, b, t0);
+  const int64_t n = t1 - t0;
   float* s = scratch;
   for (int64_t h = h0; h < h1; ++h) {
     const uint16_t* q = p.q + b * p.sqb + h * p.sqh;
     const uint16_t* qp = p.qpe + b * p.spb + h * p.sph;
     float top = -std::numeric_limits<float>::infinity();
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t = 0; t < n; ++t) {
       float acc = 0.0f;
       for (int64_t c = 0; c < p.C; ++c) acc += bf16_to_float(q[c]) * bf16_to_float(kv[t * p.skvt + c]);
       for (int64_t r = 0; r < p.R; ++r) acc += bf16_to_float(qp[r]) * bf16_to_float(pe[t * p.spet + r]);
-      s[t - t0] = acc * p.scale;
-      top = std::max(top, s[t - t0]);
+      s[t] = acc * p.scale;
+      top = std::max(top, s[t]);
     }
     float sum = 0.0f;
     float* out = o + (h - h0) * p.C;
     std::fill(out, out + p.C, 0.0f);
-    for (int64_t t = t0; t < t1; ++t) {
-      const float e = std::exp(s[t - t0] - top);
+    for (int64_t t = 0; t < n; ++t) {
+      const float e = std::exp(s[t] - top);
       sum += e;
       for (int64_t c = 0; c < p.C; ++c) out[c] += e * bf16_to_float(kv[t * p.skvt + c]);
     }
@@ -185,34 +186,48 @@ void set_attention_schedule(int schedule) {
   g_schedule = schedule;
 }
 
-void decode_attention(const View& q, const View& qpe, const View& kv, const View& pe, const View& slots,
-                      const View& lengths, const View& out, double scale, const std::string& isa) {
+void decode_attention(const View& q, const View& qpe, const View& kv, const View& pe, const View& table,
+                      const View& slots, const View& lengths, const View& out, double scale, const std::string& isa) {
   if (q.shape.size() != 3 || kv.shape.size() != 3 || pe.shape.size() != 3)
-    fail("q [B, H, C], kv [slots, T, C] and pe [slots, T, R] are 3-D; got " + dims(q.shape) + ", " +
-         dims(kv.shape) + ", " + dims(pe.shape));
-  const int64_t B = q.dim(0), H = q.dim(1), C = q.dim(2), S = kv.dim(0), T = kv.dim(1), R = pe.dim(2);
+    fail("q [B, H, C], kv [N, P, C] and pe [N, P, R] are 3-D; got " + dims(q.shape) + ", " + dims(kv.shape) + ", " +
+         dims(pe.shape));
+  if (table.shape.size() != 2) fail("table [slots, blocks per slot] is 2-D; got " + dims(table.shape));
+  const int64_t B = q.dim(0), H = q.dim(1), C = q.dim(2), N = kv.dim(0), P = kv.dim(1), R = pe.dim(2);
+  const int64_t S = table.dim(0), M = table.dim(1);
   if (B == 0 || H == 0) return;
   check(q, "q_lat", "bfloat16", {B, H, C});
   check(qpe, "q_pe", "bfloat16", {B, H, R});
-  check(kv, "kv", "bfloat16", {S, T, C});
-  check(pe, "pe", "bfloat16", {S, T, R});
+  check(kv, "kv", "bfloat16", {N, P, C});
+  check(pe, "pe", "bfloat16", {N, P, R});
+  check(table, "table", "int64", {S, M});
   check(slots, "slots", "int64", {B});
   check(lengths, "lengths", "int64", {B});
   check(out, "out", "float32", {B, H, C});
   if (out.strides != std::vector<int64_t>{H * C, C, 1} && B * H * C > 1) fail("out: must be contiguous");
   if (C < 1) fail("the latent dimension is empty");
-  const int64_t *sl = slots.data<const int64_t>(), *len = lengths.data<const int64_t>();
+  const int64_t *tab = table.data<const int64_t>(), *sl = slots.data<const int64_t>(),
+                *len = lengths.data<const int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    if (sl[b] < 0 || sl[b] >= S) fail("slots[" + std::to_string(b) + "] = " + std::to_string(sl[b]) + " outside 0.." +
-                                      std::to_string(S - 1));
-    if (len[b] < 1 || len[b] > T) fail("lengths[" + std::to_string(b) + "] = " + std::to_string(len[b]) +
-                                       " outside 1.." + std::to_string(T) + " cached positions");
+    const std::string at = "[" + std::to_string(b) + "] = ";
+    if (sl[b] < 0 || sl[b] >= S) fail("slots" + at + std::to_string(sl[b]) + " outside 0.." + std::to_string(S - 1));
+    if (len[b] < 1 || len[b] > M * P)
+      fail("lengths" + at + std::to_string(len[b]) + " outside 1.." + std::to_string(M * P) + " (" +
+           std::to_string(M) + " blocks of " + std::to_string(P) + " positions)");
+    if (len[b] > P && P % kChunkPositions)
+      fail("lengths" + at + std::to_string(len[b]) + " spans several blocks of " + std::to_string(P) +
+           " positions: a sequence past its first block needs P a multiple of " + std::to_string(kChunkPositions));
+    for (int64_t j = 0; j < (len[b] + P - 1) / P; ++j) {
+      const int64_t id = tab[sl[b] * table.strides[0] + j];
+      if (id < 0 || id >= N)
+        fail("table[" + std::to_string(sl[b]) + ", " + std::to_string(j) + "] = " + std::to_string(id) +
+             " (sequence " + std::to_string(b) + "'s block) outside 0.." + std::to_string(N - 1));
+    }
   }
   const Code code = code_for(isa);
   const AttentionProblem p{q.data<const uint16_t>(), q.strides[0], q.strides[1], qpe.data<const uint16_t>(),
                            qpe.strides[0], qpe.strides[1], kv.data<const uint16_t>(), kv.strides[0], kv.strides[1],
-                           pe.data<const uint16_t>(), pe.strides[0], pe.strides[1], sl, len, out.data<float>(),
-                           B, H, C, R, float(scale)};
+                           pe.data<const uint16_t>(), pe.strides[0], pe.strides[1], tab, table.strides[0], P, sl,
+                           len, out.data<float>(), B, H, C, R, float(scale)};
   const ChunkKernel chunk = code == Code::avx512_bf16 ? attention_chunk_avx512_bf16
                             : code == Code::avx2      ? attention_chunk_avx2
                                                       : attention_chunk_generic;

@@ -45,16 +45,14 @@ inline __m256 reduce8(const __m256 (&v)[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// s[h][t - t0] = scale · qf[h] · rows[t] for the task's heads, t in [t0, t1).
-void scores(const AttentionProblem& p, int64_t b, int64_t t0, int64_t t1, int64_t heads, const float* qf,
-            float* rows, float* s) {
-  const uint16_t* kv = p.kv + p.slots[b] * p.skvs;
-  const uint16_t* pe = p.pe + p.slots[b] * p.spes;
+// s[h][t] = scale · qf[h] · row t for the task's heads, t in [0, n): the chunk's rows from `at`.
+void scores(const AttentionProblem& p, ChunkRows at, int64_t n, int64_t heads, const float* qf, float* rows,
+            float* s) {
   const int64_t ld = padded(p);
-  for (int64_t t = t0; t < t1; t += 4) {
-    for (int i = 0; i < 4; ++i) {  // rows past t1 repeat the last one (never used)
-      const int64_t row = std::min(t + i, t1 - 1);
-      widen_row(kv + row * p.skvt, p.C, pe + row * p.spet, p.R, rows + i * ld, ld);
+  for (int64_t t = 0; t < n; t += 4) {
+    for (int i = 0; i < 4; ++i) {  // rows past n repeat the last one (never used)
+      const int64_t row = std::min(t + i, n - 1);
+      widen_row(at.kv + row * p.skvt, p.C, at.pe + row * p.spet, p.R, rows + i * ld, ld);
     }
     for (int64_t h = 0; h < heads; h += 2) {
       const int64_t g = std::min(h + 1, heads - 1);
@@ -70,8 +68,8 @@ void scores(const AttentionProblem& p, int64_t b, int64_t t0, int64_t t1, int64_
       }
       alignas(32) float v[8];
       _mm256_store_ps(v, _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(p.scale)));
-      std::memcpy(s + h * kLd + (t - t0), v, 16);
-      std::memcpy(s + g * kLd + (t - t0), v + 4, 16);
+      std::memcpy(s + h * kLd + t, v, 16);
+      std::memcpy(s + g * kLd + t, v + 4, 16);
     }
   }
 }
@@ -140,14 +138,14 @@ void attention_chunk_avx2(const AttentionProblem& p, int64_t b, int64_t t0, int6
   float* rows = qf + heads * ld;  // kRowsB rows
   for (int64_t h = 0; h < heads; ++h)
     widen_row(p.q + b * p.sqb + (h0 + h) * p.sqh, p.C, p.qpe + b * p.spb + (h0 + h) * p.sph, p.R, qf + h * ld, ld);
-  scores(p, b, t0, t1, heads, qf, rows, s);
+  const ChunkRows at = chunk_rows(p, b, t0);
+  scores(p, at, n, heads, qf, rows, s);
   for (int64_t h = 0; h < heads; ++h) std::tie(m[h], l[h]) = weights(s + h * kLd, n);
   std::fill(o, o + heads * p.C, 0.0f);
-  const uint16_t* kv = p.kv + p.slots[b] * p.skvs;
   const int64_t cv = p.C / 16 * 16;
   for (int64_t t = 0; t < n; t += kRowsB) {
     const int nt = int(std::min<int64_t>(kRowsB, n - t));
-    for (int i = 0; i < nt; ++i) widen_row(kv + (t0 + t + i) * p.skvt, p.C, nullptr, 0, rows + i * ld, ld);
+    for (int i = 0; i < nt; ++i) widen_row(at.kv + (t + i) * p.skvt, p.C, nullptr, 0, rows + i * ld, ld);
     for (int64_t c = 0; c < cv; c += 16) {
       int64_t h = 0;
       for (; h + 4 <= heads; h += 4) weighted<4>(rows, ld, nt, s + h * kLd + t, o + h * p.C, p.C, c);

@@ -59,17 +59,16 @@ inline void dots(__m512 (&acc)[16], const uint16_t* qa, const uint16_t* qb, cons
   if (off < n) step(first(n - off));
 }
 
-// s[h][t - t0] = scale · (q_lat[h] · kv[t] + q_pe[h] · pe[t]) for heads [h0, h1), t in [t0, t1).
-void scores(const AttentionProblem& p, int64_t b, int64_t t0, int64_t t1, int64_t h0, int64_t h1, float* s) {
-  const uint16_t* kv = p.kv + p.slots[b] * p.skvs;
-  const uint16_t* pe = p.pe + p.slots[b] * p.spes;
+// s[h][t] = scale · (q_lat[h] · kv[t] + q_pe[h] · pe[t]) for heads [h0, h1), t in [0, n): the chunk's rows from
+// `at`.
+void scores(const AttentionProblem& p, int64_t b, ChunkRows at, int64_t n, int64_t h0, int64_t h1, float* s) {
   const __m512 scale = _mm512_set1_ps(p.scale);
-  for (int64_t t = t0; t < t1; t += 8) {
+  for (int64_t t = 0; t < n; t += 8) {
     const uint16_t *rk[8], *rp[8];
-    for (int i = 0; i < 8; ++i) {  // rows past t1 repeat the last one (read, never used)
-      const int64_t row = std::min(t + i, t1 - 1);
-      rk[i] = kv + row * p.skvt;
-      rp[i] = pe + row * p.spet;
+    for (int i = 0; i < 8; ++i) {  // rows past n repeat the last one (read, never used)
+      const int64_t row = std::min(t + i, n - 1);
+      rk[i] = at.kv + row * p.skvt;
+      rp[i] = at.pe + row * p.spet;
     }
     for (int64_t h = h0; h < h1; h += 2) {
       const int64_t g = std::min(h + 1, h1 - 1);  // an odd last head pairs with itself
@@ -78,8 +77,8 @@ void scores(const AttentionProblem& p, int64_t b, int64_t t0, int64_t t1, int64_
       dots(acc, p.q + b * p.sqb + h * p.sqh, p.q + b * p.sqb + g * p.sqh, rk, p.C);
       dots(acc, p.qpe + b * p.spb + h * p.sph, p.qpe + b * p.spb + g * p.sph, rp, p.R);
       const __m512 v = _mm512_mul_ps(reduce16(acc), scale);
-      _mm256_storeu_ps(s + (h - h0) * kLd + (t - t0), _mm512_castps512_ps256(v));
-      _mm256_storeu_ps(s + (g - h0) * kLd + (t - t0), _mm512_extractf32x8_ps(v, 1));
+      _mm256_storeu_ps(s + (h - h0) * kLd + t, _mm512_castps512_ps256(v));
+      _mm256_storeu_ps(s + (g - h0) * kLd + t, _mm512_extractf32x8_ps(v, 1));
     }
   }
 }
@@ -152,15 +151,15 @@ void attention_chunk_avx512_bf16(const AttentionProblem& p, int64_t b, int64_t t
   const int64_t n = t1 - t0, heads = h1 - h0;
   float* s = scratch;
   uint16_t* w = reinterpret_cast<uint16_t*>(scratch + heads * kLd);
-  scores(p, b, t0, t1, h0, h1, s);
+  const ChunkRows at = chunk_rows(p, b, t0);
+  scores(p, b, at, n, h0, h1, s);
   for (int64_t h = 0; h < heads; ++h) std::tie(m[h], l[h]) = weights(s + h * kLd, n, w + h * kLd);
-  const uint16_t* kv = p.kv + p.slots[b] * p.skvs + t0 * p.skvt;
   for (int64_t c0 = 0; c0 < p.C; c0 += kSeg) {  // a segment of the chunk's rows (n x 64 B) stays in L1
     const int64_t cn = std::min(kSeg, p.C - c0);
     int64_t h = 0;
-    for (; h + 8 <= heads; h += 8) weighted<8>(kv, p.skvt, n, w + h * kLd, o + h * p.C, p.C, c0, cn);
-    for (; h + 2 <= heads; h += 2) weighted<2>(kv, p.skvt, n, w + h * kLd, o + h * p.C, p.C, c0, cn);
-    for (; h < heads; ++h) weighted<1>(kv, p.skvt, n, w + h * kLd, o + h * p.C, p.C, c0, cn);
+    for (; h + 8 <= heads; h += 8) weighted<8>(at.kv, p.skvt, n, w + h * kLd, o + h * p.C, p.C, c0, cn);
+    for (; h + 2 <= heads; h += 2) weighted<2>(at.kv, p.skvt, n, w + h * kLd, o + h * p.C, p.C, c0, cn);
+    for (; h < heads; ++h) weighted<1>(at.kv, p.skvt, n, w + h * kLd, o + h * p.C, p.C, c0, cn);
   }
 }
 

@@ -4,7 +4,12 @@ numbers never depend on its batch mates or the thread count (the same contract a
 The cache and rope keys are read once per step for all the heads a task holds; split-K over chunks across the
 pool's threads for long contexts, heads across threads for short ones.
 
-Legend: B sequences, H heads, C latent (kv_lora_rank), R rotary dims, S cache slots, T cached positions.
+The cache is paged: pools of N blocks of P positions, a block table [S, M] of block ids per slot; sequence b reads
+slot slots_B[b], its position t at kv_NPC[table_SM[slots_B[b], t // P], t % P]. A chunk lies inside one block: P a
+multiple of CHUNK, or each sequence within its first block (the unpaged cache [S, T, C]: P = T, table arange(S)).
+
+Legend: B sequences, H heads, C latent (kv_lora_rank), R rotary dims, N cache blocks, P positions per block,
+S cache slots, M blocks per slot.
 """
 from __future__ import annotations
 
@@ -20,22 +25,24 @@ CHUNK = 256  # positions per chunk (csrc: kChunkPositions)
 SCHEDULES = {"auto": 0, "split": 1, "heads": 2}
 
 
-def runs(q_lat_BHC: torch.Tensor, kv_STC: torch.Tensor) -> bool:
+def runs(q_lat_BHC: torch.Tensor, kv_NPC: torch.Tensor) -> bool:
     """Whether the kernel takes these: BF16 queries and cache on the CPU."""
-    return (q_lat_BHC.device.type == "cpu" and kv_STC.device.type == "cpu"
-            and q_lat_BHC.dtype == torch.bfloat16 and kv_STC.dtype == torch.bfloat16)
+    return (q_lat_BHC.device.type == "cpu" and kv_NPC.device.type == "cpu"
+            and q_lat_BHC.dtype == torch.bfloat16 and kv_NPC.dtype == torch.bfloat16)
 
 
-def decode_attention(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, kv_STC: torch.Tensor, pe_STR: torch.Tensor,
-                     slots_B: torch.Tensor, lengths_B: torch.Tensor, scale: float, kernel: str = "auto",
-                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def decode_attention(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, kv_NPC: torch.Tensor, pe_NPR: torch.Tensor,
+                     table_SM: torch.Tensor, slots_B: torch.Tensor, lengths_B: torch.Tensor, scale: float,
+                     kernel: str = "auto", out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(scale · (q_lat·kvᵀ + q_pe·peᵀ)) · kv for each sequence b over positions [0, lengths_B[b]) of cache
-    slot slots_B[b] -> [B, H, C] FP32 (`out` when given). BF16 everywhere else; last dims contiguous. `kernel`: a
-    GEMM variant name (policy.cpu.kernel)."""
+    slot slots_B[b], read through the block table table_SM (int64) -> [B, H, C] FP32 (`out` when given). BF16
+    everywhere else; last dims contiguous. `kernel`: a GEMM variant name (policy.cpu.kernel). ValueError for slots,
+    lengths (1..M*P) or the block ids a sequence reads (0..N-1) out of range, and for a sequence past its first
+    block unless P is a multiple of CHUNK."""
     b, h, c = q_lat_BHC.shape
     if out is None:
         out = torch.empty(b, h, c, dtype=torch.float32)
-    _native.decode_attention(view(q_lat_BHC), view(q_pe_BHR), view(kv_STC), view(pe_STR),
+    _native.decode_attention(view(q_lat_BHC), view(q_pe_BHR), view(kv_NPC), view(pe_NPR), view(table_SM),
                              view(slots_B.to(torch.int64)), view(lengths_B.to(torch.int64)), view(out),
                              float(scale), kernel_name(kernel))
     return out

@@ -168,11 +168,12 @@ class Fp8Gemm:
         pad_rows set (batch-invariant decode) where the Triton kernel runs."""
         return bool(self.pad_rows) and mla_decode.available(x.device)
 
-    def attend_from_cache(self, q_lat_BHC, q_pe_BHR, kv_STC, pe_STR, slots_B, lengths_B, kv_len: int,
+    def attend_from_cache(self, q_lat_BHC, q_pe_BHR, kv_NPC, pe_NPR, table_SM, slots_B, lengths_B, kv_len: int,
                           scale: float) -> torch.Tensor:
-        """Each sequence's decode attention over its own cached positions, in fixed chunks (mla_decode): the
-        latent output [B, H, C] in FP32, whatever the batch around it."""
-        return mla_decode.mla_decode(q_lat_BHC, q_pe_BHR, kv_STC, pe_STR, slots_B, lengths_B, kv_len, scale)
+        """Each sequence's decode attention over its own cached positions (the paged cache read through the block
+        table), in fixed chunks (mla_decode): the latent output [B, H, C] in FP32, whatever the batch around it."""
+        return mla_decode.mla_decode(q_lat_BHC, q_pe_BHR, kv_NPC, pe_NPR, table_SM, slots_B, lengths_B, kv_len,
+                                     scale)
 
     def linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block, out=None) -> torch.Tensor:
         """x [..., K] -> [..., N]; `out` (2-D [M, N], rows contiguous) receives it when given."""
@@ -266,12 +267,14 @@ class CpuFp8Gemm:
         on the CPU, unless `native_attention` is off."""
         return self.native_attention and x.device.type == "cpu" and x.dtype == torch.bfloat16
 
-    def attend_from_cache(self, q_lat_BHC, q_pe_BHR, kv_STC, pe_STR, slots_B, lengths_B, kv_len: int,
+    def attend_from_cache(self, q_lat_BHC, q_pe_BHR, kv_NPC, pe_NPR, table_SM, slots_B, lengths_B, kv_len: int,
                           scale: float) -> torch.Tensor:
-        """Each sequence's decode attention over its own cached positions (csrc/decode_attention.cpp: the BF16
-        cache read in place, once per step for all heads; fixed chunks merged in order, so batch-invariant):
-        the latent output [B, H, C] in FP32. kv_len (the GPU kernel's grid reach) is not needed here."""
-        return decode_attention(q_lat_BHC, q_pe_BHR, kv_STC, pe_STR, slots_B, lengths_B, scale, kernel=self.kernel)
+        """Each sequence's decode attention over its own cached positions (csrc/decode_attention.cpp: the paged
+        BF16 cache read in place through the block table, once per step for all heads; fixed chunks merged in
+        order, so batch-invariant): the latent output [B, H, C] in FP32. kv_len (the GPU kernel's grid reach) is
+        not needed here."""
+        return decode_attention(q_lat_BHC, q_pe_BHR, kv_NPC, pe_NPR, table_SM, slots_B, lengths_B, scale,
+                                kernel=self.kernel)
 
     def per_head(self, x_BSHI: torch.Tensor, w: torch.Tensor, by_rows: bool) -> torch.Tensor:
         """As Fp8Gemm.per_head; BF16 x and w on the CPU with at most `head_max_rows` tokens go through the native

@@ -7,17 +7,22 @@ shape, so a sequence's reductions — over the latent dimension, over its positi
 it, and the last bits of its attention with them; a near-tie some tokens later then flips. Here every quantity a
 sequence gets is computed from its own positions with shapes that do not depend on the batch or the bucket:
 
-- `_chunk` (grid: sequence, head block, chunk of CHUNK positions): the chunk's scores q_lat·kv + q_pe·pe in FP32
-  over the latent dimension in fixed steps, masked past the sequence's length, their max m, sum of exponentials l
-  and the chunk's weighted latents o. A chunk wholly past the sequence's length does nothing: how far the grid
-  reaches (the bucket) changes no value.
+- `_chunk` (grid: sequence, head block, chunk of CHUNK positions): the chunk's block id read once from the block
+  table, then the chunk's scores q_lat·kv + q_pe·pe in FP32 over the latent dimension in fixed steps, masked past
+  the sequence's length, their max m, sum of exponentials l and the chunk's weighted latents o. A chunk wholly
+  past the sequence's length does nothing: how far the grid reaches (the bucket) changes no value.
 - `_combine` (grid: sequence, head block): the sequence's chunks merged one after another in chunk order (the
   usual running max rescaling), up to its own last chunk.
 
 q_lat / the output's projection through kv_b stay GEMMs (rows padded by the caller's GEMM object). FP32 models run
 the products in IEEE FP32 (no TF32). Tests run the kernels under Triton's interpreter on the CPU.
 
-Legend: B sequences, H heads, C latent (kv_lora_rank), R rotary dims, T cached positions.
+The cache is paged: pools of N blocks of P positions, a block table [S, M] of block ids per slot; sequence b reads
+slot slots_B[b], its position t at kv_NPC[table_SM[slots_B[b], t // P], t % P]. A chunk lies inside one block: P a
+multiple of CHUNK, or the grid's reach within one block (the unpaged cache [S, T, C]: P = T, table arange(S)).
+
+Legend: B sequences, H heads, C latent (kv_lora_rank), R rotary dims, N cache blocks, P positions per block,
+S cache slots, M blocks per slot.
 """
 from __future__ import annotations
 
@@ -40,18 +45,30 @@ def available(device: torch.device) -> bool:
     return triton_device.runs(device)
 
 
-def mla_decode(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, kv_STC: torch.Tensor, pe_STR: torch.Tensor,
-               slots_B: torch.Tensor, lengths_B: torch.Tensor, kv_len: int, scale: float) -> torch.Tensor:
+def mla_decode(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, kv_NPC: torch.Tensor, pe_NPR: torch.Tensor,
+               table_SM: torch.Tensor, slots_B: torch.Tensor, lengths_B: torch.Tensor, kv_len: int,
+               scale: float) -> torch.Tensor:
     """softmax(scale · (q_lat·kvᵀ + q_pe·peᵀ)) · kv for each sequence b over positions [0, lengths_B[b]) of cache
-    slot slots_B[b] -> o_lat [B, H, C] in FP32. kv_len: the most positions any sequence may have (the grid's
-    reach; a CUDA graph's bucket), at least max(lengths_B)."""
+    slot slots_B[b], read through the block table table_SM (int64) -> o_lat [B, H, C] in FP32. kv_len: the most
+    positions any sequence may have (the grid's reach; a CUDA graph's bucket), at least max(lengths_B), at most
+    M*P; past P only with P a multiple of CHUNK. Slots, lengths and block ids are read on the device, unchecked."""
     b, h, c = q_lat_BHC.shape
     r = q_pe_BHR.shape[-1]
-    if c % 64 or r % 16 or kv_STC.shape[-1] != c or pe_STR.shape[-1] != r:
+    if c % 64 or r % 16 or kv_NPC.shape[-1] != c or pe_NPR.shape[-1] != r:
         raise ValueError(f"mla_decode: latent {c} (a multiple of 64), rotary {r} (of 16); the cache holds "
-                         f"{kv_STC.shape[-1]} + {pe_STR.shape[-1]}")
-    if not 1 <= kv_len <= kv_STC.shape[1]:
-        raise ValueError(f"mla_decode: kv_len {kv_len} outside 1..{kv_STC.shape[1]} cached positions")
+                         f"{kv_NPC.shape[-1]} + {pe_NPR.shape[-1]}")
+    if kv_NPC.dim() != 3 or pe_NPR.shape[:2] != kv_NPC.shape[:2]:
+        raise ValueError(f"mla_decode: kv [N, P, C] and pe [N, P, R] share N and P; got {tuple(kv_NPC.shape)}, "
+                         f"{tuple(pe_NPR.shape)}")
+    if table_SM.dim() != 2 or table_SM.dtype != torch.int64:
+        raise ValueError(f"mla_decode: table [slots, blocks per slot] is 2-D int64; got {table_SM.dtype} "
+                         f"{tuple(table_SM.shape)}")
+    p, m_ = kv_NPC.shape[1], table_SM.shape[1]
+    if not 1 <= kv_len <= m_ * p:
+        raise ValueError(f"mla_decode: kv_len {kv_len} outside 1..{m_ * p} cached positions ({m_} blocks of {p})")
+    if kv_len > p and p % CHUNK:
+        raise ValueError(f"mla_decode: kv_len {kv_len} spans several blocks of {p} positions: past the first block "
+                         f"P must be a multiple of {CHUNK}")
     q_lat_BHC, q_pe_BHR = q_lat_BHC.contiguous(), q_pe_BHR.contiguous()
     chunks = triton.cdiv(kv_len, CHUNK)
     dev = q_lat_BHC.device
@@ -59,13 +76,13 @@ def mla_decode(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, kv_STC: torch.Te
     l_ = torch.empty_like(m)
     o = torch.empty(b, h, chunks, c, dtype=torch.float32, device=dev)
     out = torch.empty(b, h, c, dtype=torch.float32, device=dev)
-    ieee = kv_STC.dtype == torch.float32  # FP32 models: IEEE FP32 products (no TF32)
+    ieee = kv_NPC.dtype == torch.float32  # FP32 models: IEEE FP32 products (no TF32)
     blocks = triton.cdiv(h, HEADS_PER_BLOCK)  # the last block's heads past h are masked
     _chunk[(b, blocks, chunks)](
-        q_lat_BHC, q_pe_BHR, kv_STC, pe_STR, slots_B, lengths_B, m, l_, o, h, chunks, scale,
+        q_lat_BHC, q_pe_BHR, kv_NPC, pe_NPR, table_SM, slots_B, lengths_B, m, l_, o, h, chunks, scale, p,
         q_lat_BHC.stride(0), q_lat_BHC.stride(1), q_pe_BHR.stride(0), q_pe_BHR.stride(1),
-        kv_STC.stride(0), kv_STC.stride(1), pe_STR.stride(0), pe_STR.stride(1),
-        C=c, R=r, HB=HEADS_PER_BLOCK, CH=CHUNK, BC=64, IEEE=ieee)
+        kv_NPC.stride(0), kv_NPC.stride(1), pe_NPR.stride(0), pe_NPR.stride(1), table_SM.stride(0),
+        table_SM.stride(1), C=c, R=r, HB=HEADS_PER_BLOCK, CH=CHUNK, BC=64, IEEE=ieee)
     _combine[(b, blocks)](m, l_, o, lengths_B, out, h, chunks, C=c, HB=HEADS_PER_BLOCK, CH=CHUNK)
     return out
 
@@ -78,8 +95,8 @@ if triton is not None:
         return tl.dot(a, b)
 
     @triton.jit
-    def _chunk(q_ptr, qpe_ptr, kv_ptr, pe_ptr, slots_ptr, lens_ptr, m_ptr, l_ptr, o_ptr, H, n_chunks, scale,
-               sqb, sqh, spb, sph, skvs, skvt, spes, spet,
+    def _chunk(q_ptr, qpe_ptr, kv_ptr, pe_ptr, table_ptr, slots_ptr, lens_ptr, m_ptr, l_ptr, o_ptr, H, n_chunks,
+               scale, P, sqb, sqh, spb, sph, skvn, skvt, spen, spet, stabs, stabm,
                C: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, CH: tl.constexpr, BC: tl.constexpr,
                IEEE: tl.constexpr):
         b = tl.program_id(0)
@@ -89,18 +106,21 @@ if triton is not None:
         length = tl.load(lens_ptr + b)
         if j * CH < length:  # a chunk past the sequence's end: nothing (the combine stops before it)
             slot = tl.load(slots_ptr + b).to(tl.int64)
-            t = j * CH + tl.arange(0, CH)
-            valid = t < length
-            kv_base = kv_ptr + slot * skvs
+            t0 = j.to(tl.int64) * CH  # the chunk lies inside one block: its id read once
+            block = tl.load(table_ptr + slot * stabs + (t0 // P) * stabm)
+            i = tl.arange(0, CH)  # positions from the chunk's start
+            valid = t0 + i < length
+            kv_base = kv_ptr + block * skvn + (t0 % P) * skvt
+            pe_base = pe_ptr + block * spen + (t0 % P) * spet
             s = tl.zeros((HB, CH), dtype=tl.float32)
             for c0 in tl.static_range(0, C, BC):  # over the latent dimension, in fixed steps
                 cc = c0 + tl.arange(0, BC)
                 q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + cc[None, :], mask=live[:, None], other=0.0)
-                k = tl.load(kv_base + t[None, :] * skvt + cc[:, None], mask=valid[None, :], other=0.0)
+                k = tl.load(kv_base + i[None, :] * skvt + cc[:, None], mask=valid[None, :], other=0.0)
                 s += _dot(q.to(k.dtype), k, IEEE)
             rr = tl.arange(0, R)
             qp = tl.load(qpe_ptr + b * spb + heads[:, None] * sph + rr[None, :], mask=live[:, None], other=0.0)
-            kp = tl.load(pe_ptr + slot * spes + t[None, :] * spet + rr[:, None], mask=valid[None, :], other=0.0)
+            kp = tl.load(pe_base + i[None, :] * spet + rr[:, None], mask=valid[None, :], other=0.0)
             s += _dot(qp.to(kp.dtype), kp, IEEE)
             s = tl.where(valid[None, :], s * scale, float("-inf"))
             m = tl.max(s, 1)
@@ -110,7 +130,7 @@ if triton is not None:
             tl.store(l_ptr + row, tl.sum(p, 1), mask=live)
             for c0 in tl.static_range(0, C, BC):
                 cc = c0 + tl.arange(0, BC)
-                v = tl.load(kv_base + t[:, None] * skvt + cc[None, :], mask=valid[:, None], other=0.0)
+                v = tl.load(kv_base + i[:, None] * skvt + cc[None, :], mask=valid[:, None], other=0.0)
                 tl.store(o_ptr + row[:, None] * C + cc[None, :], _dot(p.to(v.dtype), v, IEEE), mask=live[:, None])
 
     @triton.jit

@@ -39,12 +39,13 @@ def main() -> None:
         g = torch.Generator().manual_seed(T)
         kv, pe = (torch.randn(1, T, n, generator=g).to(torch.bfloat16) for n in (C, R))
         q, qp = (torch.randn(1, H, n, generator=g).to(torch.bfloat16) for n in (C, R))
-        one, length = torch.tensor([0]), torch.tensor([T])
+        table, one, length = torch.zeros(1, 1, dtype=torch.int64), torch.tensor([0]), torch.tensor([T])  # one block
         flop = 2 * H * T * (2 * C + R)
         for code, variant in codes.items():
             for schedule in ("auto", "split", "heads"):
                 set_schedule(schedule)
-                dt = _best(lambda: decode_attention(q, qp, kv, pe, one, length, SCALE, kernel=variant), args.reps)
+                dt = _best(lambda: decode_attention(q, qp, kv, pe, table, one, length, SCALE, kernel=variant),
+                           args.reps)
                 print(f"context {T:6d} {code:12s} {schedule:6s} {dt * 1e3:8.2f} ms {flop / dt / 1e9:7.1f} GFLOP/s")
         set_schedule("auto")
         dt = _best(lambda: _torch(q[0], qp[0], kv[0], pe[0]), args.reps)
