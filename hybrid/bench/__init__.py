@@ -69,6 +69,10 @@ def plot_bench(name: str, records: list[Record], json_path) -> Optional[Path]:
         from hybrid.bench.kernels import plot
 
         return plot(records, png)
+    if name == "serve":  # a multi-turn workload's
+        from hybrid.bench.sessions import plot
+
+        return plot(records, png)
     return None
 
 

@@ -4,6 +4,9 @@ mode=serve's app on a free local port in this process, and driven over HTTP thro
 
 Records per concurrency (m): TTFT, TPOT and end-to-end latency (value p50; p90, p99 beside it), throughput
 (requests/s, output tokens/s), goodput (requests/s meeting both of the workload's limits) and SLO attainment.
+
+A multi-turn workload (workload.kind multi_turn) runs at its own concurrency with the prefix cache on and off
+instead (hybrid/bench/sessions.py).
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ def workload(s: HybridConfig):
     from hybrid.serve.load import Workload
 
     w = s.workload
+    if w.kind != "single":
+        raise ConfigError(f"workload {w.name} is {w.kind}: bench=serve drives it (hybrid/bench/sessions.py); this "
+                          f"measure takes single-turn workloads")
     return Workload(w.name, tuple(w.prompt_tokens), tuple(w.output_tokens), w.ttft_limit_s, w.tpot_limit_s,
                     w.requests, w.concurrency, w.rate, w.seed)
 
@@ -42,6 +48,12 @@ def check_fits(s: HybridConfig) -> None:
 
 
 def run(s: HybridConfig) -> list[Record]:
+    for name in ("httpx", "httpx2"):  # the openai client's HTTP layer (by version): not a line per request
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if s.workload.kind == "multi_turn":
+        from hybrid.bench.sessions import run as run_sessions
+
+        return run_sessions(s)
     from hybrid.engine.build import build
     from hybrid.serve import ServerThread, create_app
     from hybrid.serve.load import run as drive
@@ -49,8 +61,6 @@ def run(s: HybridConfig) -> list[Record]:
     w = s.workload
     check_fits(s)
     loads = workloads(s)
-    for name in ("httpx", "httpx2"):  # the openai client's HTTP layer (by version): not a line per request
-        logging.getLogger(name).setLevel(logging.WARNING)
     engine = build(s, s.hw, progress=False)
     name = s.server.model_name or s.model.name
     cfg = replace(s.server, max_waiting=max(s.server.max_waiting, w.requests))  # the bench measures, not sheds
@@ -70,7 +80,7 @@ def records_of(rep: dict, concurrency) -> list[Record]:
     m = concurrency
     tails = lambda key: {"p90": rep[key]["p90"], "p99": rep[key]["p99"], "mean": rep[key]["mean"]}  # noqa: E731
     common = {"workload": rep["workload"]["name"], "requests": rep["requests"], "completed": rep["completed"],
-              "errors": rep["errors"], "rate": rep["workload"]["rate"]}
+              "errors": rep["errors"], "rate": rep["workload"].get("rate")}
     return [
         Record("ttft_s", rep["ttft_s"]["p50"], "s", None, m, extra={**tails("ttft_s"), **common}),
         Record("tpot_s", rep["tpot_s"]["p50"], "s", None, m, extra=tails("tpot_s")),

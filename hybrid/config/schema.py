@@ -286,31 +286,68 @@ class ServerConfig:
             raise ConfigError(f"server.max_body_mb must be > 0, got {self.max_body_mb}")
 
 
+WORKLOAD_KINDS = ("single", "multi_turn")
+
+
 @dataclass
 class WorkloadConfig:
-    """`bench=serve`'s load (conf/workload/): prompt and output lengths drawn uniformly per request, the SLO limits
-    that goodput counts against, and either a fixed concurrency or a Poisson arrival rate."""
+    """`bench=serve`'s load (conf/workload/), of one of two kinds; the SLO limits goodput counts against and the
+    output lengths (drawn uniformly per request) are both kinds'.
+
+    single: independent requests, prompt lengths drawn uniformly, at a fixed concurrency or a Poisson arrival rate.
+    multi_turn: `sessions` conversations sharing one system prompt of `system_tokens` random ids; each turn re-sends
+    the conversation so far plus a new message of `message_tokens` ids, until a session's next turn (its prompt and
+    answer) would exceed `context_tokens`; `concurrency` sessions in flight at once. Each kind ignores the other's
+    fields."""
     name: str = "chat"
-    prompt_tokens: List[int] = field(default_factory=lambda: [32, 256])  # [lo, hi], inclusive
-    output_tokens: List[int] = field(default_factory=lambda: [16, 128])
+    kind: str = "single"  # single | multi_turn
+    output_tokens: List[int] = field(default_factory=lambda: [16, 128])  # [lo, hi], inclusive
     ttft_limit_s: float = 2.0
     tpot_limit_s: float = 0.2
-    requests: int = 32
-    concurrency: Optional[int] = 4  # clients, each sending its next request when its last one ends
-    rate: Optional[float] = None  # or requests per second (Poisson arrivals); set concurrency to null
+    concurrency: Optional[int] = 4  # clients (sessions), each sending its next request when its last one ends
     seed: int = 0
+    # single
+    prompt_tokens: List[int] = field(default_factory=lambda: [32, 256])  # [lo, hi], inclusive
+    requests: int = 32
+    rate: Optional[float] = None  # or requests per second (Poisson arrivals); set concurrency to null
+    # multi_turn
+    sessions: int = 4
+    system_tokens: int = 1024  # the one system prompt every session starts with
+    message_tokens: List[int] = field(default_factory=lambda: [500, 4000])  # each turn's new user / tool message
+    context_tokens: int = 32768  # a session ends before a turn whose prompt and answer would exceed this
 
     def __post_init__(self) -> None:
-        for knob in ("prompt_tokens", "output_tokens"):
+        if self.kind not in WORKLOAD_KINDS:
+            raise ConfigError(f"workload.kind must be one of {', '.join(WORKLOAD_KINDS)}, got {self.kind!r}")
+        ranges = ("prompt_tokens", "output_tokens") if self.kind == "single" else ("message_tokens", "output_tokens")
+        for knob in ranges:
             lo_hi = list(getattr(self, knob))
             if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1]:
                 raise ConfigError(f"workload.{knob} must be [lo, hi] with 1 <= lo <= hi, got {lo_hi}")
+        if min(self.ttft_limit_s, self.tpot_limit_s) <= 0:
+            raise ConfigError("workload.ttft_limit_s and workload.tpot_limit_s must be > 0")
+        if self.kind == "multi_turn":
+            self._check_turns()
+            return
         if (self.concurrency is None) == (self.rate is None):
             raise ConfigError("workload: set exactly one of workload.concurrency and workload.rate")
         if (self.concurrency is not None and self.concurrency < 1) or (self.rate is not None and self.rate <= 0):
             raise ConfigError("workload.concurrency must be >= 1 and workload.rate > 0")
-        if self.requests < 1 or min(self.ttft_limit_s, self.tpot_limit_s) <= 0:
-            raise ConfigError("workload.requests must be >= 1 and its limits > 0")
+        if self.requests < 1:
+            raise ConfigError("workload.requests must be >= 1")
+
+    def _check_turns(self) -> None:
+        if self.rate is not None or self.concurrency is None or self.concurrency < 1:
+            raise ConfigError(f"workload {self.name} (multi_turn): sessions in flight are workload.concurrency "
+                              f"(>= 1), with workload.rate null; got concurrency {self.concurrency}, rate {self.rate}")
+        if self.sessions < 1 or self.system_tokens < 0:
+            raise ConfigError(f"workload.sessions must be >= 1 and workload.system_tokens >= 0, got "
+                              f"{self.sessions} and {self.system_tokens}")
+        first = self.system_tokens + self.message_tokens[1] + self.output_tokens[1]
+        if first > self.context_tokens:
+            raise ConfigError(f"workload {self.name}: a first turn takes up to system_tokens {self.system_tokens} + "
+                              f"message_tokens {self.message_tokens[1]} + output_tokens {self.output_tokens[1]} = "
+                              f"{first} tokens, over workload.context_tokens {self.context_tokens}")
 
 
 @dataclass

@@ -177,17 +177,21 @@ class _Answer:
         self.stop_ids = frozenset(body.stop_token_ids or ()) | (
             frozenset() if body.ignore_eos else service.engine.eos_ids)
         self.offsets = [len(e) for e in echo] if echo else [0] * len(jobs)
+        self.n = body.n or 1  # choice i answers prompts[i // n]
+        self.token_ids = bool(getattr(body, "return_token_ids", None))  # vLLM's extension (text completions)
+        self.prompt_ids_sent: set[int] = set()
 
     def base(self, chunk: bool) -> dict[str, Any]:
         return {"id": self.id, "object": self.kind + (".chunk" if chunk and self.chat else ""),
                 "created": self.created, "model": self.service.model_name}
 
     async def whole(self) -> dict[str, Any]:
-        texts, lps = [[] for _ in self.jobs], [[] for _ in self.jobs]
+        texts, lps, ids = [[] for _ in self.jobs], [[] for _ in self.jobs], [[] for _ in self.jobs]
         finals: dict[int, RequestOutput] = {}
         async for i, out in merged(self.service, self.jobs):
             texts[i].append(out.text_delta)
             lps[i] += self.shown(out)
+            ids[i] += out.new_token_ids
             if out.finished:
                 failure = self.service.failure(out)
                 if failure is not None:
@@ -205,19 +209,22 @@ class _Answer:
                                 "finish_reason": agent.finish_reason(parsed, reason)})
             else:
                 choices.append({"index": i, "text": (self.echo[i] if self.echo else "") + text,
-                                "logprobs": self.completion_logprobs(i, lps[i]), "finish_reason": reason})
+                                "logprobs": self.completion_logprobs(i, lps[i]), "finish_reason": reason,
+                                **self.ids_of(i, ids[i])})
         return {**self.base(False), "choices": choices, "usage": self.usage(finals)}
 
     async def events(self) -> AsyncIterator[str]:
         extra = {"usage": None} if self.include_usage else {}
 
-        def chunk(i: int, delta: Union[str, dict], lps: list[TokenLogprobs], finish: Optional[str]) -> dict:
+        def chunk(i: int, delta: Union[str, dict], lps: list[TokenLogprobs], finish: Optional[str],
+                  ids: tuple = ()) -> dict:
             if self.chat:
                 delta = delta if isinstance(delta, dict) else {"content": delta} if delta else {}
                 payload = {"delta": delta, "logprobs": self.chat_logprobs(lps)}
             else:
                 payload = {"text": delta, "logprobs": self.completion_logprobs(i, lps)}
-            return {**self.base(True), "choices": [{"index": i, **payload, "finish_reason": finish}], **extra}
+            return {**self.base(True), "choices": [{"index": i, **payload, "finish_reason": finish,
+                                                    **self.ids_of(i, ids)}], **extra}
         for i in range(len(self.jobs)):
             if self.chat:
                 yield _sse({**self.base(True), "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -235,8 +242,8 @@ class _Answer:
                 deltas = [agent.chat_delta(e) for e in events] or ([{}] if lps else [])
                 for k, d in enumerate(deltas):
                     yield _sse(chunk(i, d, lps if k == 0 else [], None))
-            elif out.text_delta or lps:
-                yield _sse(chunk(i, out.text_delta, lps, None))
+            elif out.text_delta or lps or (self.token_ids and out.new_token_ids):
+                yield _sse(chunk(i, out.text_delta, lps, None, out.new_token_ids))
             if out.finished:
                 failure = self.service.failure(out)
                 if failure is not None:
@@ -255,6 +262,16 @@ class _Answer:
         completion = sum(max(out.completion_tokens, job.completion_tokens)
                          for job, out in zip(self.jobs, (finals[i] for i in range(len(self.jobs)))))
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def ids_of(self, i: int, ids) -> dict[str, Any]:
+        """return_token_ids: choice i's generated ids, and the prompt's on its first chunk (or its whole answer)."""
+        if not self.token_ids or self.chat:
+            return {}
+        out: dict[str, Any] = {}
+        if i not in self.prompt_ids_sent:
+            self.prompt_ids_sent.add(i)
+            out["prompt_token_ids"] = list(self.prompts[i // self.n])
+        return {**out, "token_ids": list(ids)}
 
     def shown(self, out: RequestOutput) -> list[TokenLogprobs]:
         """The output's log-probabilities, but for a stop token that ended it (not in the text)."""

@@ -2,8 +2,8 @@
 documents both in /openapi.json. Every field of OpenAI's chat and text completion requests is accepted; those the
 server does not act on (`IGNORED`) change nothing and are named in the response's `X-Hybrid-Ignored-Fields` header.
 A field outside OpenAI's is a 400 naming it, rather than a setting silently dropped — but for the extensions (as
-vLLM's): `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`. docs/design/serving-api.md lists
-what each endpoint serves."""
+vLLM's): `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, and on text completions
+`return_token_ids`. docs/design/serving-api.md lists what each endpoint serves."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
@@ -153,6 +153,9 @@ class CompletionRequest(_Sampling):
     echo: Optional[bool] = Field(False, description="the prompt's text before the completion's")
     suffix: Optional[str] = None
     best_of: Optional[int] = Field(None, ge=1, le=MAX_CHOICES)
+    return_token_ids: Optional[bool] = Field(
+        None, description="extension: each choice with the prompt's token ids (`prompt_token_ids`; in a stream on "
+                          "the choice's first chunk) and the generated ones (`token_ids`; in a stream, the chunk's)")
 
     def prompts(self) -> list[Union[str, list[int]]]:
         p = self.prompt
@@ -239,6 +242,9 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: FinishReason
     logprobs: Optional[CompletionLogprobs] = None
+    prompt_token_ids: Optional[list[int]] = Field(None, description="with return_token_ids: the prompt's token ids")
+    token_ids: Optional[list[int]] = Field(None, description="with return_token_ids: every generated token id (a "
+                                                             "stop token that ended the text too)")
 
 
 class Completion(BaseModel):

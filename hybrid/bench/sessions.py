@@ -1,0 +1,237 @@
+"""`bench=serve` with a multi-turn workload (workload.kind multi_turn, e.g. conf/workload/agent.yaml): the sessions
+(hybrid/serve/sessions.py) against the real HTTP server twice, on an engine built with policy.kv.prefix_cache on,
+then on one built with it off; each served in this process on a free port after one warm-up request.
+
+Records:
+- `ttft_cache_on_s`, `ttft_cache_off_s`: TTFT p50 of the turns whose context (prompt length) is in (m/2, m];
+- `ttft_longest_s`: the turn of the longest context, cache on, against the time to prefill its new tokens alone after
+  the rest of its prompt is cached (`hybrid.bench.prefix.suffix_prefill_s`, on the cache-on engine); beside it
+  TTFT with the cache off, and `ttft_off_over_on` at that turn;
+- `prefix_cache_hit_rate` of each run: cached prompt tokens / prompt tokens looked up, from the server's /metrics
+  counters (null, and no record, where the server has none);
+- the load driver's aggregates of each run (hybrid/bench/serve.py records_of), tagged `prefix_cache`.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+from hybrid.bench.records import Record, Records
+from hybrid.config.bench import policy_keys, with_knobs
+from hybrid.config.schema import HybridConfig
+from hybrid.errors import ConfigError
+
+PREFIX_CACHE = "kv.prefix_cache"  # the policy key run on and off
+HIT_TOKENS = "hybrid_prefix_cache_hit_tokens_total"  # /metrics counters: prompt tokens found cached ...
+QUERIED_TOKENS = "hybrid_prefix_cache_queried_tokens_total"  # ... of those looked up
+WARM_UP_TOKENS = 4  # the warm-up request's answer
+
+
+def sessions_workload(s: HybridConfig):
+    """The configured multi-turn workload as the driver takes it."""
+    from hybrid.serve.sessions import Sessions
+
+    w = s.workload
+    return Sessions(w.name, w.sessions, w.concurrency, w.system_tokens, tuple(w.message_tokens),
+                    tuple(w.output_tokens), w.context_tokens, w.ttft_limit_s, w.tpot_limit_s, w.seed)
+
+
+def check(s: HybridConfig) -> None:
+    """Before anything is built: a session fits a KV slot, and the policy has the prefix cache's switch."""
+    w = s.workload
+    if w.context_tokens > s.policy.kv.max_context:
+        raise ConfigError(f"workload {w.name}: sessions grow to workload.context_tokens {w.context_tokens}, which "
+                          f"needs policy.kv.max_context >= {w.context_tokens} (it is {s.policy.kv.max_context})")
+    if PREFIX_CACHE not in policy_keys():
+        raise ConfigError(f"bench=serve with a multi-turn workload runs policy.{PREFIX_CACHE} on and off; this "
+                          f"policy has no such key")
+
+
+def with_prefix_cache(s: HybridConfig, on: bool) -> HybridConfig:
+    return replace(s, policy=with_knobs(s.policy, {PREFIX_CACHE: on}))
+
+
+def run(s: HybridConfig) -> Records:
+    from hybrid.engine.build import build
+    from hybrid.serve import ServerThread, create_app
+    from hybrid.serve.sessions import run as drive
+
+    check(s)
+    w = sessions_workload(s)
+    name = s.server.model_name or s.model.name
+    cfg = replace(s.server, max_waiting=max(s.server.max_waiting, w.sessions))
+    runs, hits, plan, bound = {}, {}, None, None
+    for on in (True, False):
+        engine = build(with_prefix_cache(s, on), s.hw, progress=False)
+        plan = plan or engine.plan.params()
+        vocab = engine.model.args.vocab_size
+        app = create_app(engine, cfg, name)
+        key = app.state.service.api_key  # server.api_key, its file or $HYBRID_API_KEY
+        with ServerThread(app) as srv:
+            print(f"bench=serve: {name} on {srv.url}, {w.name}: {w.sessions} sessions, {w.concurrency} at once, "
+                  f"prefix cache {'on' if on else 'off'}", file=sys.stderr)
+            warm_up(f"{srv.url}/v1", name, key or "EMPTY", w, vocab)
+            before = counters(srv.url, key)
+            runs[on] = drive(w, f"{srv.url}/v1", name, key or "EMPTY", vocab)
+            hits[on] = hit_rate(before, counters(srv.url, key))
+        if on:
+            bound = suffix_bound(engine, runs[on].largest())
+        del engine, app, srv
+        _release()
+    rep_on, rep_off = runs[True].report(), runs[False].report()
+    print(turn_table(rep_on["turns"], rep_off["turns"], runs[True].largest(), bound), file=sys.stderr)
+    return Records(records_of(runs[True], runs[False], hits, bound), {"plan": plan})
+
+
+def warm_up(base_url: str, model: str, api_key: str, w, vocab_size: int) -> None:
+    """One request of a first turn's length, of random ids apart from the sessions' (no prefix shared): thread pools,
+    allocations and compiled kernels ready before the measured turns."""
+    import random
+
+    from openai import OpenAI
+
+    from hybrid.serve.load import FIRST_TOKEN_ID
+
+    rng = random.Random(f"warm-up {w.seed}")
+    prompt = [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(w.system_tokens + w.message_tokens[1])]
+    with OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600.0) as client:
+        client.completions.create(model=model, prompt=prompt, max_tokens=WARM_UP_TOKENS, temperature=0.0,
+                                  extra_body={"ignore_eos": True})
+
+
+def counters(url: str, api_key: Optional[str] = None) -> dict[str, float]:
+    """The prefix cache's counters on the server's /metrics (those it has)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=30).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in (HIT_TOKENS, QUERIED_TOKENS):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def hit_rate(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Prompt tokens found cached / looked up between two scrapes; rate None without the counters or lookups."""
+    if not all(k in before and k in after for k in (HIT_TOKENS, QUERIED_TOKENS)):
+        return {"rate": None, "hit_tokens": None, "queried_tokens": None}
+    hit, queried = (after[k] - before[k] for k in (HIT_TOKENS, QUERIED_TOKENS))
+    return {"rate": hit / queried if queried > 0 else None, "hit_tokens": int(hit), "queried_tokens": int(queried)}
+
+
+def suffix_bound(engine, turn) -> Optional[float]:
+    """The time to prefill the turn's new tokens alone after the rest of its prompt (its context) is cached."""
+    if turn is None:
+        return None
+    try:
+        from hybrid.bench.prefix import suffix_prefill_s
+    except ImportError as e:
+        print(f"note: no bound for the longest turn ({e})", file=sys.stderr)
+        return None
+    cut = len(turn.prompt) - turn.new_tokens
+    return suffix_prefill_s(engine, turn.prompt[:cut], turn.prompt[cut:])
+
+
+def _release() -> None:
+    """The last engine's memory back before the next is built."""
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def bucket(context: int) -> int:
+    """The power of two m with context in (m/2, m]."""
+    return 1 << max(0, context - 1).bit_length()
+
+
+def records_of(on, off, hits: dict[bool, dict], bound: Optional[float]) -> list[Record]:
+    """The records of the two runs (`on`, `off`: hybrid.serve.sessions.Run)."""
+    from hybrid.bench.serve import records_of as aggregates
+    from hybrid.serve.load import _percentiles
+
+    out = []
+    for label, r in (("on", on), ("off", off)):
+        by: dict[int, list] = {}
+        for t in r.turns:
+            if t.ok:
+                by.setdefault(bucket(t.prompt_tokens), []).append(t)
+        for m in sorted(by):
+            ts = by[m]
+            p = _percentiles([t.ttft_s for t in ts])
+            out.append(Record(f"ttft_cache_{label}_s", p["p50"], "s", None, m, extra={
+                "p90": p["p90"], "mean": p["mean"], "turns": len(ts),
+                "context_mean": sum(t.prompt_tokens for t in ts) / len(ts),
+                "new_tokens_mean": sum(t.new_tokens for t in ts) / len(ts)}))
+    top = on.largest()
+    if top is not None:
+        twin = next((t for t in off.turns if t.ok and (t.session, t.turn) == (top.session, top.turn)), None)
+        ratio = twin.ttft_s / top.ttft_s if twin is not None and top.ttft_s > 0 else None
+        out.append(Record("ttft_longest_s", top.ttft_s, "s", bound, top.prompt_tokens, extra={
+            "session": top.session, "turn": top.turn, "new_tokens": top.new_tokens,
+            "ttft_cache_off_s": twin.ttft_s if twin is not None else None, "off_over_on": ratio}))
+        if ratio is not None:
+            out.append(Record("ttft_off_over_on", ratio, "x", None, top.prompt_tokens))
+    for flag, r in ((True, on), (False, off)):
+        tag = {"prefix_cache": flag}
+        h = hits[flag]
+        if h["rate"] is not None:
+            out.append(Record("prefix_cache_hit_rate", h["rate"], "fraction", extra={**tag, **h}))
+        recs = aggregates(r.report(), r.workload.concurrency)
+        for rec in recs:
+            rec.extra.update(tag)
+        recs[0].extra["prefix_cache_hit_rate"] = h["rate"]
+        out += recs
+    return out
+
+
+def turn_table(on_rows: list[dict], off_rows: list[dict], top, bound: Optional[float]) -> str:
+    """Each turn with the cache on and off, and the longest one against its bound."""
+    off = {(r["session"], r["turn"]): r for r in off_rows}
+    t = lambda r: f"{r['ttft_s']:.3f}" if r and r["ok"] else "-"  # noqa: E731
+    lines = [f"{'session':>7} {'turn':>4} {'context':>8} {'new':>6} {'TTFT on s':>10} {'TTFT off s':>10}"]
+    for r in on_rows:
+        lines.append(f"{r['session']:>7} {r['turn']:>4} {r['context_tokens']:>8} {r['new_tokens']:>6} "
+                     f"{t(r):>10} {t(off.get((r['session'], r['turn']))):>10}")
+    if top is not None:
+        line = f"longest: context {top.prompt_tokens}, {top.new_tokens} new tokens, TTFT {top.ttft_s:.3f} s with " \
+               f"the cache on"
+        if bound:
+            line += f"; prefilling the new tokens alone {bound:.3f} s (TTFT / bound {top.ttft_s / bound:.2f})"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot(records: list[Record], png: Path) -> Optional[Path]:
+    """TTFT p50 against context (each bucket at its turns' mean context), the cache on and off, and the longest turn
+    with its bound; None for a run without multi-turn records."""
+    series = {flag: sorted((r.extra["context_mean"], r.value) for r in records if r.name == f"ttft_cache_{flag}_s")
+              for flag in ("on", "off")}
+    if not series["on"] and not series["off"]:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for flag in ("on", "off"):
+        if series[flag]:
+            ax.plot(*zip(*series[flag]), marker="o", label=f"prefix cache {flag} (p50)")
+    for r in records:
+        if r.name == "ttft_longest_s" and r.bound:
+            ax.plot([r.m], [r.bound], "k_", ms=14, label="longest turn: its new tokens' prefill")
+    ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="TTFT (s)", title="Multi-turn TTFT")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
