@@ -126,8 +126,9 @@ def hit_rate(before: dict[str, float], after: dict[str, float]) -> dict:
 
 
 def suffix_bound(engine, turn) -> Optional[float]:
-    """The time to prefill the turn's new tokens alone after the rest of its prompt (its context) is cached."""
-    if turn is None:
+    """The time to prefill the turn's new tokens alone after the rest of its prompt (its context) is cached; None
+without a turn that has both."""
+    if turn is None or not 0 < turn.new_tokens < len(turn.prompt):
         return None
     try:
         from hybrid.bench.prefix import suffix_prefill_s
@@ -183,7 +184,8 @@ def records_of(on, off, hits: dict[bool, dict], bound: Optional[float]) -> list[
         tag = {"prefix_cache": flag}
         h = hits[flag]
         if h["rate"] is not None:
-            out.append(Record("prefix_cache_hit_rate", h["rate"], "fraction", extra={**tag, **h}))
+            out.append(Record("prefix_cache_hit_rate", h["rate"], "fraction", extra={
+                **tag, "hit_tokens": h["hit_tokens"], "queried_tokens": h["queried_tokens"]}))
         recs = aggregates(r.report(), r.workload.concurrency)
         for rec in recs:
             rec.extra.update(tag)

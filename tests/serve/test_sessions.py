@@ -160,6 +160,8 @@ def test_records_by_context_the_longest_turn_and_the_hit_rate(capsys):
     text = bench.turn_table(on.report()["turns"], off.report()["turns"], on.largest(), 0.05)
     assert "3000" in text and "0.800" in text and "TTFT / bound 2.00" in text
     assert [bench.bucket(n) for n in (1, 2, 3, 1024, 1025)] == [1, 2, 4, 1024, 2048]
+    whole = TurnResult(8, 2, ok=True, new_tokens=8, prompt=list(range(8)))
+    assert bench.suffix_bound(None, None) is None and bench.suffix_bound(None, whole) is None, "no cached context"
 
 
 def test_the_servers_prefix_cache_counters_or_none(server):
