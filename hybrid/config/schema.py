@@ -144,9 +144,18 @@ class KvPolicy:
     """The KV cache."""
     max_batch: int = 8  # KV-cache slots (sequences held at once)
     max_context: int = 4096  # tokens per sequence the KV cache holds
+    block_tokens: int = 256  # positions per block of the paged cache (a multiple of 256; a prefix is reused in these)
+    prefix_cache: bool = True  # a request reuses the KV of the longest prompt prefix cached (whole blocks)
+    cache_gb: float = 0.0  # device pool room beyond the slots' own blocks, for cached prefixes
+    host_cache_gb: Optional[float] = None  # host tier for prefixes evicted from the device; null: what the host has left
 
     def __post_init__(self) -> None:
-        _at_least(self, "kv", 1, "max_batch", "max_context")
+        _at_least(self, "kv", 1, "max_batch", "max_context", "block_tokens")
+        if self.block_tokens % 256:
+            raise ConfigError(f"policy.kv.block_tokens={self.block_tokens}: a multiple of 256 (the decode-attention "
+                              "kernels' chunk of positions)")
+        if self.cache_gb < 0 or (self.host_cache_gb is not None and self.host_cache_gb < 0):
+            raise ConfigError("policy.kv.cache_gb and policy.kv.host_cache_gb are >= 0")
 
 
 @dataclass

@@ -25,7 +25,7 @@ from hybrid.kernels import combine, fp8_linear, pointwise, thread_pool
 from hybrid.kernels.gemm import set_amx_min_tokens, set_amx_overlap, set_batch_invariant, set_tile_min_tokens
 from hybrid.model.transformer import Transformer
 from hybrid.placement.hot_experts import HotExperts
-from hybrid.placement.memory import check_kv_cache, free_bytes, kv_cache_bytes
+from hybrid.placement.memory import check_kv_cache, extra_blocks, free_bytes, kv_cache_bytes
 from hybrid.placement.passes import (chunk_prefill_attention, cpu_experts, experts_to_cpu_kernels,
                                      hot_experts_to_device, pin_experts, place)
 from hybrid.placement.staging import Staging
@@ -162,16 +162,20 @@ def assemble(placed: Placed, s: HybridConfig, plan: Plan, previous: Optional[Eng
     hot_bytes = sum(h.nbytes for h in hot)
     if plan.cuda and previous is None:
         print(f"GPU side: {(placed.weight_bytes + hot_bytes) / 1e9:.2f} GB of weights", file=sys.stderr)
+    k = plan.kv
     cache = previous.cache if previous is not None else None
-    held = kv_cache_bytes(a, model.dtype, cache.slots, cache.max_context) if cache is not None else 0
+    held = kv_cache_bytes(a, model.dtype, cache.blocks * cache.block_tokens) if cache is not None else 0
     if placed.loader is not None:  # the last prefill's ring, kept: the next one reuses or frees it
         held += placed.loader.kept_ring_bytes(device)
     budget = free_bytes(device, plan.gpu.memory_budget_gb or None) + held
-    kv = check_kv_cache(a, model.dtype, plan.kv.max_batch, plan.kv.max_context, budget, device)
-    cache = cache or model.new_cache(plan.kv.max_batch, plan.kv.max_context, device)
+    extra = extra_blocks(a, model.dtype, k.cache_gb, k.block_tokens)
+    kv = check_kv_cache(a, model.dtype, k.max_batch, k.max_context, k.block_tokens, extra, budget, device)
+    cache = cache or model.new_cache(k.max_batch, k.max_context, device, k.block_tokens, extra)
     streams = plan.prefill.slp and placed.loader is not None and bool(cpu_experts(model))
     slot = slot_bytes(model) if streams else 0
-    plan = resolve_memory(plan, a, budget, placed.weight_bytes, kv, hot_bytes, slot)
+    host_free = free_bytes(torch.device("cpu")) - (kv if device.type == "cpu" else 0)
+    plan = resolve_memory(plan, a, budget, placed.weight_bytes, kv, hot_bytes, slot,
+                          host_cache_gb=s.policy.kv.host_cache_gb, host_free=host_free)
     long_prefill = None
     if streams:
         long_prefill = LongPrefill(model, device, placed.loader, slot, plan.prefill.slp_group_experts,

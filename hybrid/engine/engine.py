@@ -58,7 +58,9 @@ class Engine:
         # with a peer, prompts above the cutoff take the two-device paths (on the CPU stand-in too)
         long_cutoff = plan.prefill.slp_cutoff_tokens if long_prefill is not None or peer is not None else None
         self.scheduler = Scheduler(self.cache.slots, plan.decode.batch_cap, plan.prefill.chunk_tokens, long_cutoff,
-                                   plan.prefill.gpus, beside_decode=plan.prefill.beside_decode or peer is not None)
+                                   plan.prefill.gpus, beside_decode=plan.prefill.beside_decode or peer is not None,
+                                   admitted=self.runner.admit)
+        self.kv = self.runner.kv
         self._link = PeerLink(peer, self.scheduler, plan.prefill.beside_decode, streams=long_prefill is not None)
         self.inbox = Inbox()
         self._requests: dict[int, Request] = {}
@@ -177,6 +179,7 @@ class Engine:
     def _prefill(self, chunk: Chunk, changed: dict[int, Request]) -> None:
         if chunk.beside and self._link.beside(chunk):
             try:
+                self.runner.kv.reserve(chunk.request.slot, chunk.end)
                 self.beside.start(chunk, self._link.live())
                 chunk.request.state = State.streaming
             except Exception as e:  # no stream or thread to run it: this request fails, the others go on
@@ -196,6 +199,7 @@ class Engine:
         except Exception as e:
             return self._fail(req, e, changed)
         req.prefilled = chunk.end
+        self.runner.prefilled(req, chunk.end)
         if token is not None:
             req.state = State.decoding
             self._append(req, token, changed)
@@ -248,7 +252,7 @@ class Engine:
     def _finish(self, req: Request, reason: FinishReason, changed: dict[int, Request], error: str = "") -> None:
         req.finish_reason, req.error = reason, error
         if req.slot >= 0 and req.state is not State.waiting:
-            self.runner.clear_slot(req.slot, req.position)
+            self.runner.release(req)
         self.scheduler.finish(req)
         self.outputs.drop(req)
         changed[req.id] = req
@@ -264,7 +268,8 @@ class Engine:
     # -- probes and convenience: benchmarks, warm-up, tests ---------------------------------------------------
     def prefill(self, prompt_ids: Sequence[int], slot: int = 0, streamed: Optional[bool] = None,
                 **stream) -> tuple[torch.Tensor, list]:
-        """Prefills prompt_ids into KV slot `slot` (no request may hold it) and returns the last token's logits and
+        """Prefills prompt_ids into KV slot `slot` (no request may hold it; it gets blocks for its whole context, for
+        decode steps the caller runs there) and returns the last token's logits and
         the statistics of each stream-loading pass (dicts: expert_loop_s, expert_loop_cpu_s, group_sizes).
         streamed: None = as the scheduler would; `stream` (ring_len, group, gemm) replaces the plan's for this call."""
         prompt = list(prompt_ids)
@@ -272,6 +277,7 @@ class Engine:
         streamed = self.runner.streamed(len(prompt), streamed)
         if any(r.slot == slot for r in self.scheduler.running):
             raise RuntimeError(f"KV slot {slot} is held by a request")
+        self.runner.kv.hold(slot)
         return self.runner.prefill(prompt, 0, len(prompt), slot, streamed, **stream)
 
     def decoder(self, mode: Optional[str] = None) -> Decoder:

@@ -19,6 +19,7 @@ from hybrid.plan.plan import Plan
 from hybrid.engine.requests import Request
 from hybrid.engine.scheduler import Chunk
 from hybrid.engine.staggered import Ahead, Stagger, Take, micro_batches
+from hybrid.kv.manager import KVManager, host_blocks
 from hybrid.model.kv_cache import KVCache
 from hybrid.model.transformer import Transformer
 from hybrid.placement.staging import Staging
@@ -32,13 +33,16 @@ class ModelRunner:
                  decode: Optional[Decoder | DecodeFn] = None,
                  long_prefill: Optional[Callable[..., ContextManager]] = None,
                  after_prefill: Optional[Callable[[], None]] = None, staging: Optional[Staging] = None):
-        """cache: the KV slots (default: kv.max_batch x kv.max_context on the plan's device); decode: the plan's decode
+        """cache: the paged KV cache (default: kv.max_batch x kv.max_context on the plan's device), its blocks handed
+        out by the runner's KV manager (`kv`, hybrid/kv/manager.py); decode: the plan's decode
         strategy (default: eager); long_prefill(tokens): the context in which a prompt's chunk of that many tokens is
         prefilled by stream-loading (None: nothing streams here); after_prefill: called once a prompt is prefilled
         (`refresh`); staging: the CPU experts' hand-off buffers, for graphed decoders made on demand
         (`decoder_for`)."""
         self.model, self.plan, self.device = model, plan, torch.device(plan.device)
-        self.cache = cache or model.new_cache(plan.kv.max_batch, plan.kv.max_context, self.device)
+        k = plan.kv
+        self.cache = cache or model.new_cache(k.max_batch, k.max_context, self.device, k.block_tokens)
+        self.kv = KVManager(self.cache, k.prefix_cache, host_blocks(k.host_cache_gb, self.cache))
         self.long_prefill, self.after_prefill, self.staging = long_prefill, after_prefill, staging
         self.refresh_due = False  # after_prefill put off until no step runs ahead
         self.eager = Eager(model, self.cache)
@@ -52,6 +56,7 @@ class ModelRunner:
         """A scheduled chunk's prefill: the last token's logits. With `peer`, on both devices (this process is rank
         0 of the two-rank prefill)."""
         req = chunk.request
+        self.kv.reserve(req.slot, chunk.end)
         if peer is not None:
             return peer.together(self.model, self.cache, req.prompt[chunk.start:chunk.end], req.slot, chunk.start,
                                  self.plan.prefill, self.plan.gpu.memory_budget_gb)
@@ -106,12 +111,18 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001 - an optimisation failed, not a request
             warnings.warn(f"after a prefill: {type(e).__name__}: {e} (the engine goes on without it)")
 
-    def clear_slot(self, slot: int, written: int) -> None:
-        """Zeroes what a request wrote into its KV slot: batch mates' decode steps read a slot past its own length
-        (masked, but 0 x NaN is NaN), so nothing non-finite may stay behind for the next occupant."""
-        for layer in self.cache.layers:
-            layer.kv[slot, :written].zero_()
-            layer.pe[slot, :written].zero_()
+    def admit(self, req: Request) -> None:
+        """A request took a slot: the prompt's cached prefix is its prefilled part."""
+        req.prefilled = self.kv.admit(req.slot, req.prompt)
+
+    def prefilled(self, req: Request, end: int) -> None:
+        """The prompt's positions < end are in the cache: its full blocks are shared from now on."""
+        self.kv.publish(req.slot, req.prompt, end)
+
+    def release(self, req: Request) -> None:
+        """The request ended: its blocks go back (those written through stay cached)."""
+        written = req.prefilled if req.prefilled < len(req.prompt) else req.position - 1
+        self.kv.release(req.slot, req.prompt + req.output, written)
 
     # -- decode -----------------------------------------------------------------------------------------------
     def decode(self, live: list[Request], take: Take, capture: bool, busy: Callable[[], bool]) -> None:
@@ -147,6 +158,8 @@ class ModelRunner:
         """A decode step's (tokens_B1, pos_B1, slots_B, kv_len) for these requests: each one's last token at its
         position."""
         positions = [r.position - 1 for r in reqs]
+        for r, p in zip(reqs, positions):
+            self.kv.reserve(r.slot, p + 1)
         # one host-to-device copy for the three (each copy may wait behind a prefill's expert copies beside decode)
         both = torch.tensor([[r.output[-1], p, r.slot] for r, p in zip(reqs, positions)], device=self.device)
         return both[:, 0:1].contiguous(), both[:, 1:2].contiguous(), both[:, 2].contiguous(), max(positions) + 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from hybrid.engine.requests import Request, State
 
@@ -57,16 +57,18 @@ def prefill_gpus(prompt_tokens: int, decoding: int, gpus: int, long_cutoff: Opti
 
 class Scheduler:
     def __init__(self, slots: int, batch_cap: int, chunk_tokens: int, long_cutoff: Optional[int] = None,
-                 gpus: int = 1, beside_decode: bool = False):
-        """long_cutoff: prompts longer than this are stream-loaded (None: every prompt goes in chunks); gpus: the
-        most GPUs a stream-loaded prompt may take (prefill_gpus); beside_decode: a stream-loaded prompt runs beside
-        the other requests' decode and chunks (one at a time) instead of alone in its step."""
+                 gpus: int = 1, beside_decode: bool = False,
+                 admitted: Callable[[Request], None] = lambda req: None):
+        """long_cutoff: prompts whose part left to prefill is longer than this are stream-loaded (None: every prompt
+        goes in chunks); gpus: the most GPUs a stream-loaded prompt may take (prefill_gpus); beside_decode: a
+        stream-loaded prompt runs beside the other requests' decode and chunks (one at a time) instead of alone in
+        its step; admitted(req): a request just took its slot (the engine sets what of its prompt is cached)."""
         if not 1 <= batch_cap <= slots:
             raise ValueError(f"batch_cap ({batch_cap}) must be between 1 and the {slots} KV slots")
         if chunk_tokens < 1:
             raise ValueError(f"prefill chunk must be >= 1 token, got {chunk_tokens}")
         self.batch_cap, self.chunk_tokens, self.long_cutoff = batch_cap, chunk_tokens, long_cutoff
-        self.gpus, self.beside_decode = gpus, beside_decode
+        self.gpus, self.beside_decode, self.admitted = gpus, beside_decode, admitted
         self.free: list[int] = list(range(slots))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # holding a slot (prefilling or decoding), in admission order
@@ -83,13 +85,14 @@ class Scheduler:
         self.waiting.append(req)
 
     def streamed(self, req: Request) -> bool:
-        return self.long_cutoff is not None and len(req.prompt) > self.long_cutoff
+        return self.long_cutoff is not None and len(req.prompt) - req.prefilled > self.long_cutoff
 
     def admit(self) -> list[Request]:
         admitted = []
         while self.waiting and self.free and len(self.running) < self.batch_cap:
             req = self.waiting.popleft()
             req.slot, req.state = self.free.pop(0), State.prefilling
+            self.admitted(req)
             self.running.append(req)
             admitted.append(req)
         return admitted
@@ -105,14 +108,14 @@ class Scheduler:
                 continue
             if self.streamed(req) and self.beside_decode:
                 if not streaming:  # one stream at a time; the chunks behind it go on
-                    gpus = prefill_gpus(len(req.prompt), len(plan.decode), self.gpus, self.long_cutoff)
+                    gpus = prefill_gpus(len(req.prompt) - req.prefilled, len(plan.decode), self.gpus, self.long_cutoff)
                     plan.prefill.append(Chunk(req, req.prefilled, len(req.prompt), streamed=True, gpus=gpus,
                                               beside=True))
                     streaming = True
                 continue
             if self.streamed(req):
                 if not plan.prefill:  # alone in its step: the whole prompt through the streamed weights
-                    gpus = prefill_gpus(len(req.prompt), len(plan.decode), self.gpus, self.long_cutoff)
+                    gpus = prefill_gpus(len(req.prompt) - req.prefilled, len(plan.decode), self.gpus, self.long_cutoff)
                     plan.prefill.append(Chunk(req, req.prefilled, len(req.prompt), streamed=True, gpus=gpus))
                 break
             end = min(len(req.prompt), (req.prefilled // self.chunk_tokens + 1) * self.chunk_tokens)

@@ -128,8 +128,8 @@ class MLA(nn.Module):
         w_uk_HNC, w_uv_HVC = self._halves(self._kv_b(dtype))
         heads = self.kv_b_proj.gemm
         q_lat_BSHC = heads.per_head(q_nope_BSHN, w_uk_HNC, by_rows=True)
-        o_BHC = heads.attend_from_cache(q_lat_BSHC[:, 0], q_pe_BSHR[:, 0], cache.kv, cache.pe, slots_B,
-                                        pos_BS[:, 0] + 1, kv_len, a.softmax_scale)
+        o_BHC = heads.attend_from_cache(q_lat_BSHC[:, 0], q_pe_BSHR[:, 0], cache.kv, cache.pe, cache.table,
+                                        slots_B, pos_BS[:, 0] + 1, kv_len, a.softmax_scale)
         return heads.per_head(o_BHC[:, None].to(dtype), w_uv_HVC, by_rows=False)
 
     def _expanded(self, q_BSHK, kv_BTC, pe_BTR, w_HXC, visible_BST, chunk: int = 0):

@@ -70,7 +70,8 @@ class Transformer(nn.Module):
         x_BSD = self.model.norm(x_BSD)
         return self.lm_head(x_BSD).float()
 
-    def new_cache(self, slots: int, max_context: int, device=None) -> KVCache:
+    def new_cache(self, slots: int, max_context: int, device=None, block_tokens: int = 0,
+                  extra_blocks: int = 0) -> KVCache:
         a = self.args
         return KVCache(a.num_hidden_layers, slots, max_context, a.kv_lora_rank, a.qk_rope_head_dim,
-                       self.dtype, device)
+                       self.dtype, device, block_tokens, extra_blocks)

@@ -146,9 +146,9 @@ class Peer:
             return logits
 
     def alone(self, tokens: Sequence[int], cache, slot: int, cancelled: threading.Event,
-              knobs: Knobs) -> Optional[torch.Tensor]:
-        """tokens (positions 0..) prefilled by the peer alone, its latents then copied into the engine cache's
-        `slot`: the last token's logits on the engine's device (None when `cancelled` stopped it). Blocks: the
+              knobs: Knobs, start: int = 0) -> Optional[torch.Tensor]:
+        """tokens (positions 0..) prefilled by the peer alone, its latents of positions start.. then copied into the
+        engine cache's `slot` (those before are there: a cached prefix the peer recomputes): the last token's logits on the engine's device (None when `cancelled` stopped it). Blocks: the
         engine runs it on a thread of its own (PeerPrefill). A failed prefill raises PeerError and the peer stays
         in use; a dead peer raises PeerError and is not used again."""
         n = len(tokens)
@@ -172,14 +172,13 @@ class Peer:
             except BaseException as e:
                 self._fail(f"the latents of a prefill alone did not arrive ({type(e).__name__}: {e})")
                 raise PeerError(f"prefill on the peer: {self._broken}") from e
-            for i, layer in enumerate(layers):
-                layer.kv[slot, :n].copy_(kv[i])
-                layer.pe[slot, :n].copy_(pe[i])
+            for i, layer in enumerate(layers):  # the positions before `start` are the engine's (a cached prefix)
+                layer.store(slot, start, kv[i, start:], pe[i, start:])
             self.served["alone"] += 1
             return logits
 
     def beside(self, chunk, cache, prefill: PrefillPlan, budget_gb: float) -> "PeerPrefill":
-        """A prompt (chunk.start 0) prefilled by the peer alone while the engine steps decode (`alone`, on a thread:
+        """A prompt prefilled by the peer alone (from position 0; rows from chunk.start copied back) while the engine steps decode (`alone`, on a thread:
         PeerPrefill), with the engine plan's prefill and GPU budget (Knobs.of)."""
         return PeerPrefill.start(self, chunk, cache, Knobs.of(prefill, budget_gb, self.stream))
 

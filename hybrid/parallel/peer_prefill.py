@@ -33,8 +33,6 @@ class PeerPrefill:
     @classmethod
     def start(cls, peer: Peer, chunk, cache, knobs: Knobs) -> "PeerPrefill":
         req = chunk.request
-        if chunk.start != 0:
-            raise ValueError(f"a prefill on the peer starts at position 0, not {chunk.start}")
         dev = peer.dist.device
         side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         if side is not None:  # what the engine's stream wrote (e.g. a cleared slot) before the copies
@@ -51,7 +49,8 @@ class PeerPrefill:
         c = self.chunk
         try:
             with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
-                self.logits = peer.alone(c.request.prompt[:c.end], cache, c.request.slot, self.cancelled, knobs)
+                self.logits = peer.alone(c.request.prompt[:c.end], cache, c.request.slot, self.cancelled, knobs,
+                                         c.start)
         except BaseException as e:  # noqa: BLE001 - handed to the engine's thread, which fails the request
             self.error = e
         finally:

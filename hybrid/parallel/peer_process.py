@@ -72,8 +72,9 @@ def serve(conn, cancel, make: Callable, make_args: tuple, arenas: list, init_fil
 
 def _send_rows(cache, n: int, logits: torch.Tensor) -> None:
     """Slot 0's latents of positions 0..n-1, every layer's, and the logits (float32) to rank 0."""
-    dist.send(torch.stack([layer.kv[0, :n] for layer in cache.layers]).contiguous(), 0)
-    dist.send(torch.stack([layer.pe[0, :n] for layer in cache.layers]).contiguous(), 0)
+    rows = [layer.rows(0, n) for layer in cache.layers]
+    dist.send(torch.stack([kv for kv, _ in rows]).contiguous(), 0)
+    dist.send(torch.stack([pe for _, pe in rows]).contiguous(), 0)
     dist.send(logits.float().contiguous(), 0)
 
 

@@ -31,20 +31,29 @@ def free_bytes(device: torch.device, budget_gb: Optional[float] = None) -> float
     return meminfo_bytes("MemAvailable") - CPU_RESERVE
 
 
-def kv_cache_bytes(a, dtype: torch.dtype, slots: int, context: int) -> int:
-    return KVCache.bytes_per_token(a.num_hidden_layers, a.kv_lora_rank, a.qk_rope_head_dim, dtype) * slots * context
+def kv_cache_bytes(a, dtype: torch.dtype, tokens: int) -> int:
+    return KVCache.bytes_per_token(a.num_hidden_layers, a.kv_lora_rank, a.qk_rope_head_dim, dtype) * tokens
 
 
-def check_kv_cache(a, dtype: torch.dtype, slots: int, context: int, budget: float, device: torch.device) -> int:
-    """The KV cache's bytes; a ConfigError naming the knobs when the budget cannot hold it."""
-    need = kv_cache_bytes(a, dtype, slots, context)
+def extra_blocks(a, dtype: torch.dtype, gb: float, block_tokens: int) -> int:
+    """Pool blocks in policy.kv.cache_gb."""
+    return int(gb * 1e9 // kv_cache_bytes(a, dtype, block_tokens))
+
+
+def check_kv_cache(a, dtype: torch.dtype, slots: int, context: int, block_tokens: int, extra: int, budget: float,
+                   device: torch.device) -> int:
+    """The KV pool's bytes (every slot's blocks, the zero block and `extra` for cached prefixes); a ConfigError naming
+    the knobs when the budget cannot hold it."""
+    tokens = (1 + slots * -(-context // block_tokens) + extra) * block_tokens
+    need = kv_cache_bytes(a, dtype, tokens)
     if need > budget:
         where = "GPU" if device.type == "cuda" else "host"
-        per_token = need // (slots * context)
+        per_token = kv_cache_bytes(a, dtype, 1)
         raise ConfigError(
-            f"the KV cache for policy.kv.max_batch={slots} x policy.kv.max_context={context} needs "
-            f"{need / 1e9:.2f} GB ({per_token} bytes per token) but the {where} budget left after the weights is "
-            f"{max(budget, 0) / 1e9:.2f} GB: lower policy.kv.max_context or policy.kv.max_batch"
+            f"the KV cache for policy.kv.max_batch={slots} x policy.kv.max_context={context} (blocks of "
+            f"{block_tokens}, policy.kv.cache_gb beside) needs {need / 1e9:.2f} GB ({per_token} bytes per token) but "
+            f"the {where} budget left after the weights is {max(budget, 0) / 1e9:.2f} GB: lower "
+            "policy.kv.max_context, policy.kv.max_batch or policy.kv.cache_gb"
             + (", or raise policy.gpu.memory_budget_gb" if device.type == "cuda" else ""))
     return need
 

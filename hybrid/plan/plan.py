@@ -56,6 +56,10 @@ class CpuPlan:
 class KvPlan:
     max_batch: int = field(metadata=PLACED)
     max_context: int = field(metadata=PLACED)
+    block_tokens: int = field(metadata=PLACED)  # min(the policy's, max_context): a slot's whole context in one block
+    prefix_cache: bool
+    cache_gb: float = field(metadata=PLACED)
+    host_cache_gb: float  # 0: no host tier (decided with the ledger: resolve_memory)
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,10 @@ class Plan:
                  f"(tiles reused from {c.gemm_tile_tokens} tokens per expert{amx}"
                  + ("; batch-invariant: one form of sums at every token count" if c.batch_invariant else "")
                  + f"), experts on {c.moe_backend}" + ("" if self.cuda else f", lm_head {c.lm_head}"),
-                 f"  requests: {k.max_batch} KV slots x {k.max_context} tokens, at most {d.batch_cap} running, "
+                 f"  requests: {k.max_batch} KV slots x {k.max_context} tokens in blocks of {k.block_tokens}"
+                 + (f" (+{k.cache_gb:g} GB)" if k.cache_gb else "") + ", prefix cache "
+                 + ((f"on (host tier {k.host_cache_gb:.1f} GB)" if k.host_cache_gb else "on") if k.prefix_cache
+                    else "off") + f", at most {d.batch_cap} running, "
                  f"prefill chunks of {p.chunk_tokens} tokens, "
                  + (f"attention over longer prompts in query chunks of {p.attention_chunk_tokens}"
                     if p.attention_chunk_tokens else "attention in one call per layer")

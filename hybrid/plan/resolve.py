@@ -64,14 +64,21 @@ def resolve(p: PolicyConfig, hw: HwConfig, args, probe: Probe) -> Plan:
                   pad_rows=max(16, p.kv.max_batch) if d.batch_invariant and cuda else 0,
                   sms=probe.sms if cuda else 0)
     prefill = prefill_plan(p, hw, args, probe, cuda, native, notes)
-    return Plan(device, cpu, KvPlan(p.kv.max_batch, p.kv.max_context), prefill, decode, gpu, None, tuple(notes))
+    k = p.kv
+    kv = KvPlan(k.max_batch, k.max_context, min(k.block_tokens, k.max_context), k.prefix_cache, k.cache_gb,
+                k.host_cache_gb if k.host_cache_gb is not None and k.prefix_cache else 0.0)
+    return Plan(device, cpu, kv, prefill, decode, gpu, None, tuple(notes))
 
 
-def resolve_memory(plan: Plan, args, budget: float, weights: float, kv_cache: float, hot_experts: float,
-                   slot: int) -> Plan:
+def resolve_memory(plan: Plan, args, budget: float, weights: float, kv_cache: float, hot_experts: float, slot: int,
+                   *, host_cache_gb: Optional[float] = 0.0, host_free: float = 0.0) -> Plan:
     """The plan with its device-memory ledger (bytes measured at placement: the budget beside the weights, the
-    weights, KV cache and hot experts; slot: one streamed expert's bytes) and stream-loading prefill's chunk
-    (slp_chunk_tokens null: as the free memory fits a prompt's activations beside a ping-pong ring)."""
+    weights, KV cache and hot experts; slot: one streamed expert's bytes), stream-loading prefill's chunk
+    (slp_chunk_tokens null: as the free memory fits a prompt's activations beside a ping-pong ring) and the
+    prefix cache's host tier (host_cache_gb, the policy's kv.host_cache_gb; null: what the host has left after the
+    experts and a reserve, host_free bytes)."""
+    if host_cache_gb is None and plan.kv.prefix_cache:
+        plan = replace(plan, kv=replace(plan.kv, host_cache_gb=round(max(0.0, host_free) / 1e9, 1)))
     p = plan.prefill
     group = group_bytes(args, p.slp_group_experts) if p.slp else 0
     ledger = Ledger(budget, weights, kv_cache, hot_experts, group)

@@ -1,11 +1,13 @@
 """The server's Prometheus metrics, in a registry of its own per app (so two apps in one process, as in the tests,
 count apart): requests by outcome, TTFT / TPOT / end-to-end latency, prompt and generated tokens, the engine's
-running and waiting requests and KV slots in use (read at scrape time), and the engine's step time."""
+running and waiting requests, KV slots in use and the prefix cache (hit and queried tokens, blocks per tier,
+evictions; read at scrape time), and the engine's step time."""
 from __future__ import annotations
 
 from typing import Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # stop / length: finished; abort: the client left or the shutdown's grace ran out; error: the engine failed it;
 # rejected: bad input, unknown model or key (4xx); queue_full: 429; unavailable: 503 (loading, shutting down)
@@ -37,10 +39,13 @@ class Metrics:
         self.kv_slots_total = Gauge("hybrid_kv_slots_total", "KV-cache slots", registry=r)
         self.step = Histogram("hybrid_engine_step_seconds", "Engine step time (prefill chunks + one decode step)",
                               buckets=_PER_TOKEN + (10.0, 30.0), registry=r)
+        self.engine: Optional[object] = None
+        r.register(_PrefixCache(self))
         self.bind(None)
 
     def bind(self, engine: Optional[object]) -> None:
         """Gauges read from the engine at scrape time (0 while none is loaded)."""
+        self.engine = engine
         if engine is None:
             for g in (self.running, self.waiting, self.kv_slots, self.kv_slots_total):
                 g.set_function(lambda: 0)
@@ -55,3 +60,38 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefixCache:
+    """The engine's KV manager's counters (hybrid/kv/manager.py KVStats), read at scrape time."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        engine = self.metrics.engine
+        kv = getattr(engine, "kv", None)
+        if kv is None:
+            return
+        s = kv.stats()
+        for name, doc, value in (
+                ("hybrid_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", s.queried_tokens),
+                ("hybrid_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", s.hit_tokens),
+                ("hybrid_prefix_cache_host_hit_tokens", "... of which copied back from the host tier",
+                 s.host_hit_tokens)):
+            yield CounterMetricFamily(name, doc, value=value)
+        ev = CounterMetricFamily("hybrid_kv_evictions", "Cached KV blocks whose room was reused, by tier",
+                                 labels=["tier"])
+        ev.add_metric(["device"], s.evictions)
+        ev.add_metric(["host"], s.host_evictions)
+        yield ev
+        blocks = GaugeMetricFamily("hybrid_kv_blocks", "KV blocks by tier and state (in_use: held by a request; "
+                                   "cached: a prefix no request holds; total)", labels=["tier", "state"])
+        for tier, state, value in (("device", "in_use", s.device_blocks_in_use),
+                                   ("device", "cached", s.device_blocks_cached), ("device", "total", s.device_blocks),
+                                   ("host", "cached", s.host_blocks_cached), ("host", "total", s.host_blocks)):
+            blocks.add_metric([tier, state], value)
+        yield blocks

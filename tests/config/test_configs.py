@@ -199,7 +199,8 @@ def test_unknown_override_is_named_in_one_line():
     assert unknown_override(["policy.kv.max_context=128", "model=tiny", "+hw=cpu_only", "~policy.cpu",
                              "model.synthetic.num_hidden_layers=2", "hydra.run.dir=x", "--cfg", "job"]) is None
     assert unknown_override(["policy.kv.max_contxt=1"]) == (
-        "unknown config key policy.kv.max_contxt (known: max_batch, max_context)")
+        "unknown config key policy.kv.max_contxt (known: block_tokens, cache_gb, host_cache_gb, max_batch, max_context, "
+        "prefix_cache)")
     assert "now policy.prefill.ring_len" in unknown_override(["policy.ring_len=8"])
     assert unknown_override(["hw.cpu.core=2"]).startswith("unknown config key hw.cpu.core (known: cores,")
 

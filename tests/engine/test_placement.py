@@ -197,7 +197,8 @@ def test_cpu_only_profile_runs_on_the_cpu_and_kv_budget_is_checked():
     with pytest.raises(ConfigError,
                        match=r"policy\.kv\.max_batch=8 x policy\.kv\.max_context=1000000000.*lower policy"):
         p = huge.policy.kv
-        check_kv_cache(engine.model.args, engine.model.dtype, p.max_batch, p.max_context, 8e9, torch.device("cpu"))
+        check_kv_cache(engine.model.args, engine.model.dtype, p.max_batch, p.max_context, p.block_tokens, 0, 8e9,
+                       torch.device("cpu"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

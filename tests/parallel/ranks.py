@@ -54,7 +54,7 @@ def reference(ck: Path, n: int, seed: int, context: int) -> dict:
 
 
 def _cache_rows(cache, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.kv[SLOT, :n].cpu().clone(), layer.pe[SLOT, :n].cpu().clone()) for layer in cache.layers]
+    return [tuple(t.cpu() for t in layer.rows(SLOT, n)) for layer in cache.layers]
 
 
 def two_process_case(d: Dist, ck: Path, n: int, seed: int, context: int, mode: str, cut: int = 0,

@@ -69,13 +69,12 @@ def _solo(engine, prompt, n: int) -> list[int]:
 
 
 def _slot_rows(engine, slot: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.kv[slot, :n].clone(), layer.pe[slot, :n].clone()) for layer in engine.cache.layers]
+    return [layer.rows(slot, n) for layer in engine.cache.layers]
 
 
 def _reference_rows(one, prompt) -> list[tuple[torch.Tensor, torch.Tensor]]:
     one.prefill(prompt, slot=2, streamed=False)
     rows = _slot_rows(one, 2, len(prompt))
-    one.runner.clear_slot(2, len(prompt))
     return rows
 
 
@@ -163,7 +162,7 @@ def test_the_streamed_paths_of_a_gpu_give_a_single_process_streamed_prefills_cac
     assert engine.peer.served[path] == 1
     cache = one.model.new_cache(1, 96)
     logits = alone(one.model, torch.device("cpu"), prompt, cache, 0, StreamLoader(), knobs)
-    ref = [(layer.kv[0, :len(prompt)], layer.pe[0, :len(prompt)]) for layer in cache.layers]
+    ref = [layer.rows(0, len(prompt)) for layer in cache.layers]
     _same_rows(_slot_rows(engine, engine.request(rid).slot, len(prompt)), ref, f"streamed, {path}")
     assert engine.request(rid).output[0] == int(logits.argmax())
 

@@ -130,6 +130,22 @@ def test_memory_decides_the_chunk_unless_set():
         resolve_memory(resolve(policy(), gpu, ARGS, GPU), ARGS, 5e9, 1e9, 4e9, 0, 44 << 20)
 
 
+def test_the_kv_blocks_and_the_host_tier():
+    plan = resolve(policy(kv__max_context=200), _hw(), ARGS, CPU)
+    assert plan.kv.block_tokens == 200 and plan.kv.prefix_cache and plan.kv.host_cache_gb == 0.0
+    auto = resolve_memory(resolve(policy(), _hw(), ARGS, CPU), ARGS, 60e9, 12e9, 4e9, 0, 0, host_cache_gb=None,
+                          host_free=37.04e9)
+    assert auto.kv.block_tokens == 256 and auto.kv.host_cache_gb == 37.0  # what the host has left
+    assert "host tier 37.0 GB" in auto.describe()
+    set_ = resolve_memory(resolve(policy(kv__host_cache_gb=5.0), _hw(), ARGS, CPU), ARGS, 60e9, 12e9, 4e9, 0, 0,
+                          host_cache_gb=5.0, host_free=37e9)
+    assert set_.kv.host_cache_gb == 5.0
+    off = resolve(policy(kv__prefix_cache=False, kv__host_cache_gb=5.0), _hw(), ARGS, CPU)
+    assert off.kv.host_cache_gb == 0.0 and "prefix cache off" in off.describe()
+    with pytest.raises(ConfigError, match="block_tokens=100: a multiple of 256"):
+        policy(kv__block_tokens=100)
+
+
 def test_the_plan_is_frozen_and_named_as_the_policy():
     plan = resolve(policy(), _hw(), ARGS, CPU)
     with pytest.raises(Exception):
