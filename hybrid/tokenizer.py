@@ -86,17 +86,29 @@ class Tokenizer:
             ids = [bos] + ids
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode([i for i in ids if i not in self.special_ids], skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of ids; special tokens dropped (but the markers) unless skip_special_tokens is false."""
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special_ids]
+        return self._tok.decode(ids, skip_special_tokens=False)
 
     def render_chat(self, messages: list[dict], tools: Optional[list[dict]] = None,
-                    **kwargs: Any) -> str:
-        """The template's text for `messages` with a generation prompt; the template places the BOS itself."""
+                    continue_final: bool = False, **kwargs: Any) -> str:
+        """The template's text for `messages` with a generation prompt; the template places the BOS itself.
+        continue_final: no generation prompt, and the text ends with the last message's content (an assistant
+        message the model goes on with; ValueError if the template does not write it)."""
         if not self.chat_template:
             raise CheckpointError("this tokenizer has no chat_template (set chat=false)")
-        return _compile(self.chat_template).render(
-            messages=messages, tools=tools or None, add_generation_prompt=True, bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "", **kwargs)
+        text = _compile(self.chat_template).render(
+            messages=messages, tools=tools or None, add_generation_prompt=not continue_final,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        if not continue_final:
+            return text
+        final = messages[-1].get("content") or ""
+        at = text.rfind(final) if final else -1
+        if at < 0:
+            raise ValueError("the chat template does not write the final message's content as it is")
+        return text[:at + len(final)]
 
     def apply_chat_template(self, messages: list[dict], tools: Optional[list[dict]] = None,
                             **kwargs: Any) -> list[int]:

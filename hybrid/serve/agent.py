@@ -42,8 +42,8 @@ class Turn:
     def processors(self) -> tuple[Constraint, ...]:
         return (self.grammars.constraint(self.grammar),) if self.grammar is not None else ()
 
-    def stream(self) -> OutputParser:
-        return OutputParser(self.family.calls if self.parse_tools else None, self.reasoning)
+    def stream(self, separate_reasoning: bool = True) -> OutputParser:
+        return OutputParser(self.family.calls if self.parse_tools else None, self.reasoning, separate_reasoning)
 
 
 def grammars_for(tokenizer, vocab_size: int) -> Grammars:
@@ -55,7 +55,9 @@ def grammars_for(tokenizer, vocab_size: int) -> Grammars:
 
 def prepare(tokenizer, vocab_size: int, messages: list[dict], tools: Optional[list[dict]] = None,
             tool_choice: Any = None, parallel_tool_calls: Optional[bool] = None,
-            response_format: Optional[dict] = None, template_kwargs: Optional[dict] = None) -> Turn:
+            response_format: Optional[dict] = None, template_kwargs: Optional[dict] = None,
+            continue_final: bool = False) -> Turn:
+    """continue_final: the prompt ends inside the last message (an assistant's), which the model goes on with."""
     tools = _check_tools(tools)
     choice = _check_choice(tool_choice, tools)
     family = family_of(tokenizer)
@@ -67,11 +69,14 @@ def prepare(tokenizer, vocab_size: int, messages: list[dict], tools: Optional[li
     if shown and not family.renders_tools:
         chat = _with_system(chat, family.tool_prompt(shown))
     kwargs = dict(template_kwargs or {})
-    for reserved in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token"):
+    for reserved in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "continue_final"):
         if reserved in kwargs:
             raise TurnError(f"chat_template_kwargs.{reserved} is set by the server", "chat_template_kwargs")
+    if continue_final and (chat[-1]["role"] != "assistant" or not chat[-1]["content"]):
+        raise TurnError("continue_final_message needs a last message from the assistant with text to continue",
+                        "continue_final_message")
     try:
-        text = tokenizer.render_chat(chat, shown, **kwargs)
+        text = tokenizer.render_chat(chat, shown, continue_final, **kwargs)
     except CheckpointError as e:
         raise TurnError(f"{e}: use /v1/completions with this model", "messages", "no_chat_template")
     except Exception as e:  # the template's own checks (raise_exception) or its errors on these messages

@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hybrid.config.schema import ServerConfig
 from hybrid.engine.engine import Engine
 from hybrid.errors import CheckpointError
-from hybrid.serve import anthropic, completions, responses
+from hybrid.serve import anthropic, completions, gateway, responses, worker_api
 from hybrid.serve.metrics import CONTENT_TYPE
 from hybrid.serve.protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, Health, Model, ModelList,
                                    TokenizeRequest, TokenizeResponse, error_body)
@@ -69,14 +69,17 @@ def create_app(engine_or_loader: Union[Engine, Loader], cfg: ServerConfig = Serv
     app.add_middleware(_Gate, service=service)
     if cfg.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=[completions.IGNORED_HEADER, "Retry-After"])
+                           allow_headers=["*"],
+                           expose_headers=[completions.IGNORED_HEADER, "Retry-After", gateway.REQUEST_ID])
     app.add_middleware(_BodyLimit, service=service)
     app.add_middleware(_CutOff)
+    app.add_middleware(gateway.RequestId)
     _install_errors(app, service)
     _routes(app, service)
     app.include_router(completions.router(service))
     app.include_router(anthropic.router(service))
     app.include_router(responses.router(service))
+    app.include_router(worker_api.router(service))
     _docs(app)
     app.openapi = lambda: _openapi(app, service)
     return app

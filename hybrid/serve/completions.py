@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hybrid.engine.requests import FinishReason, RequestError, RequestOutput, SamplingParams, TokenLogprobs
-from hybrid.serve import agent
+from hybrid.serve import agent, gateway
 from hybrid.serve.loop import Job
 from hybrid.serve.protocol import (IGNORED_CHAT, IGNORED_COMPLETION, ChatCompletion, ChatCompletionRequest,
                                    Completion, CompletionRequest, ErrorResponse, error_body)
@@ -39,17 +39,8 @@ def router(service: Service) -> APIRouter:
     @r.post("/v1/chat/completions", response_model=ChatCompletion, responses=_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Chat through the checkpoint's chat template."""
-        engine = service.ready_engine()
-        service.check_model(body.model)
-        tok = service.tokenizer()
-        messages = chat_messages(body)
-        service.check_text_size(sum(len(m["content"]) for m in messages), "messages")
-        turn = await prepare_turn(service, body, messages)
+        turn, max_tokens, top = await chat_turn(service, body)
         prompt = turn.prompt
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, engine.plan.kv.max_context - len(prompt))
-        top = (body.top_logprobs or 0) if body.logprobs else None
         jobs = service_submit(service, request, [prompt], body, max_tokens, top, turn.processors)
         answer = _Answer(service, "chatcmpl", "chat.completion", jobs, [prompt], body, turn=turn)
         headers = _ignored(body, IGNORED_CHAT)
@@ -61,25 +52,7 @@ def router(service: Service) -> APIRouter:
     @r.post("/v1/completions", response_model=Completion, responses=_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """Text completion of prompts given as text or as token ids (one or a batch)."""
-        service.ready_engine()
-        service.check_model(body.model)
-        prompts, texts = [], []
-        for p in body.prompts():
-            if isinstance(p, str):
-                service.check_text_size(len(p), "prompt")
-                tok = service.tokenizer()
-                try:
-                    prompts.append(await service.offload(tok.encode, p))
-                except Exception as e:  # text the tokenizer cannot take (lone surrogates)
-                    raise APIError(400, f"the prompt cannot be tokenized: {type(e).__name__}: {e}", param="prompt")
-                texts.append(p)
-            else:
-                service.check_token_ids(p, "prompt")
-                prompts.append(list(p))
-                texts.append(None)
-        if body.echo:
-            texts = [t if t is not None else await service.offload(service.tokenizer().decode, p)
-                     for t, p in zip(texts, prompts)]
+        prompts, texts = await completion_prompts(service, body)
         jobs = service_submit(service, request, prompts, body, body.max_tokens or 16, body.logprobs)
         echo = [t for t in texts for _ in range(body.n or 1)] if body.echo else None
         answer = _Answer(service, "cmpl", "text_completion", jobs, prompts, body, echo)
@@ -91,6 +64,47 @@ def router(service: Service) -> APIRouter:
     return r
 
 
+async def chat_turn(service: Service, body: ChatCompletionRequest) -> tuple[agent.Turn, int, Optional[int]]:
+    """A chat request's turn (prompt, grammar, parser), max_tokens and top logprobs (None: none), or its 400."""
+    engine = service.ready_engine()
+    service.check_model(body.model)
+    service.tokenizer()
+    gateway.check(body)
+    messages = chat_messages(body)
+    service.check_text_size(sum(len(m["content"]) for m in messages), "messages")
+    turn = await prepare_turn(service, body, messages)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    max_tokens = body.max_completion_tokens or body.max_tokens or max(1, engine.plan.kv.max_context -
+                                                                      len(turn.prompt))
+    return turn, max_tokens, (body.top_logprobs or 0) if body.logprobs else None
+
+
+async def completion_prompts(service: Service, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+    """A text completion request's prompts as token ids, and their texts (for echo), or its 400."""
+    service.ready_engine()
+    service.check_model(body.model)
+    gateway.check(body)
+    prompts, texts = [], []
+    for p in body.prompts():
+        if isinstance(p, str):
+            service.check_text_size(len(p), "prompt")
+            tok = service.tokenizer()
+            try:
+                prompts.append(await service.offload(tok.encode, p))
+            except Exception as e:  # text the tokenizer cannot take (lone surrogates)
+                raise APIError(400, f"the prompt cannot be tokenized: {type(e).__name__}: {e}", param="prompt")
+            texts.append(p)
+        else:
+            service.check_token_ids(p, "prompt")
+            prompts.append(list(p))
+            texts.append(None)
+    if body.echo:
+        texts = [t if t is not None else await service.offload(service.tokenizer().decode, p)
+                 for t, p in zip(texts, prompts)]
+    return prompts, texts
+
+
 async def prepare_turn(service: Service, body: ChatCompletionRequest, messages: list[dict]) -> agent.Turn:
     """The prompt (tools in it), the grammar of tool_choice / response_format and the output's parser
     (hybrid/serve/agent.py), off the event loop."""
@@ -99,7 +113,7 @@ async def prepare_turn(service: Service, body: ChatCompletionRequest, messages: 
         return await service.offload(
             agent.prepare, service.tokenizer(), service.ready_engine().model.args.vocab_size, messages,
             [dump(t) for t in body.tools or ()], dump(body.tool_choice), body.parallel_tool_calls,
-            dump(body.response_format), body.chat_template_kwargs)
+            dump(body.response_format), body.chat_template_kwargs, bool(body.continue_final_message))
     except agent.TurnError as e:
         raise APIError(400, str(e), param=e.param, code=e.code)
     except RequestError as e:  # a schema the grammar library cannot enforce
@@ -171,11 +185,14 @@ class _Answer:
                  body: Body, echo: Optional[list[str]] = None, turn: Optional[agent.Turn] = None):
         self.service, self.kind, self.jobs, self.prompts, self.echo = service, kind, jobs, prompts, echo
         self.chat = kind == "chat.completion"
-        self.parsers = [turn.stream() for _ in jobs] if turn is not None else None  # reasoning, tool calls
+        separate = getattr(body, "separate_reasoning", True) is not False
+        self.parsers = [turn.stream(separate) for _ in jobs] if turn is not None else None  # reasoning, tool calls
+        self.reasoning = [gateway.Reasoning(body) for _ in jobs]
         self.id, self.created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         self.include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
         self.stop_ids = frozenset(body.stop_token_ids or ()) | (
             frozenset() if body.ignore_eos else service.engine.eos_ids)
+        self.retexts = gateway.retexts(body, service.engine.tokenizer, self.stop_ids, len(jobs))
         self.offsets = [len(e) for e in echo] if echo else [0] * len(jobs)
         self.n = body.n or 1  # choice i answers prompts[i // n]
         self.token_ids = bool(getattr(body, "return_token_ids", None))  # vLLM's extension (text completions)
@@ -189,7 +206,7 @@ class _Answer:
         texts, lps, ids = [[] for _ in self.jobs], [[] for _ in self.jobs], [[] for _ in self.jobs]
         finals: dict[int, RequestOutput] = {}
         async for i, out in merged(self.service, self.jobs):
-            texts[i].append(out.text_delta)
+            texts[i].append(self.text(i, out))
             lps[i] += self.shown(out)
             ids[i] += out.new_token_ids
             if out.finished:
@@ -204,7 +221,7 @@ class _Answer:
                 parser = self.parsers[i]
                 parser.feed(text)
                 parsed = parser.finish()[1]
-                choices.append({"index": i, "message": agent.chat_message(parsed),
+                choices.append({"index": i, "message": self.reasoning[i].message(agent.chat_message(parsed)),
                                 "logprobs": self.chat_logprobs(lps[i]),
                                 "finish_reason": agent.finish_reason(parsed, reason)})
             else:
@@ -233,17 +250,18 @@ class _Answer:
                 yield _sse(chunk(i, self.echo[i], [], None))
         finals: dict[int, RequestOutput] = {}
         async for i, out in merged(self.service, self.jobs):
-            lps = self.shown(out)
+            lps, text = self.shown(out), self.text(i, out)
             if self.chat:
-                events = self.parsers[i].feed(out.text_delta) if out.text_delta else []
+                events = self.parsers[i].feed(text) if text else []
                 if out.finished:
                     tail, parsed = self.parsers[i].finish()
                     events += tail
+                events = self.reasoning[i](events, out.finished)
                 deltas = [agent.chat_delta(e) for e in events] or ([{}] if lps else [])
                 for k, d in enumerate(deltas):
                     yield _sse(chunk(i, d, lps if k == 0 else [], None))
-            elif out.text_delta or lps or (self.token_ids and out.new_token_ids):
-                yield _sse(chunk(i, out.text_delta, lps, None, out.new_token_ids))
+            elif text or lps or (self.token_ids and out.new_token_ids):
+                yield _sse(chunk(i, text, lps, None, out.new_token_ids))
             if out.finished:
                 failure = self.service.failure(out)
                 if failure is not None:
@@ -262,6 +280,10 @@ class _Answer:
         completion = sum(max(out.completion_tokens, job.completion_tokens)
                          for job, out in zip(self.jobs, (finals[i] for i in range(len(self.jobs)))))
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def text(self, i: int, out: RequestOutput) -> str:
+        """Choice i's new text: the engine's, or decoded here (hybrid/serve/gateway.py Retext)."""
+        return self.retexts[i].delta(out) if self.retexts else out.text_delta
 
     def ids_of(self, i: int, ids) -> dict[str, Any]:
         """return_token_ids: choice i's generated ids, and the prompt's on its first chunk (or its whole answer)."""

@@ -3,7 +3,10 @@ documents both in /openapi.json. Every field of OpenAI's chat and text completio
 server does not act on (`IGNORED`) change nothing and are named in the response's `X-Hybrid-Ignored-Fields` header.
 A field outside OpenAI's is a 400 naming it, rather than a setting silently dropped — but for the extensions (as
 vLLM's): `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, and on text completions
-`return_token_ids`. docs/design/serving-api.md lists what each endpoint serves."""
+`return_token_ids`; and those the SGLang and vLLM gateways send with every request (hybrid/serve/gateway.py):
+`skip_special_tokens`, `no_stop_trim`, `return_hidden_states`, and on chat `continue_final_message`,
+`separate_reasoning`, `stream_reasoning`, `include_reasoning`. docs/design/serving-api.md lists what each endpoint
+serves."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
@@ -70,6 +73,10 @@ class _Sampling(_Strict):
     stop_token_ids: Optional[list[Annotated[int, Field(ge=0)]]] = Field(
         None, description="extension: token ids that end the text (not shown)")
     ignore_eos: Optional[bool] = Field(False, description="extension: generate max_tokens whatever comes")
+    skip_special_tokens: Optional[bool] = Field(True, description="extension: false shows special tokens in the text")
+    no_stop_trim: Optional[bool] = Field(False, description="extension: the stop string or stop token that ended "
+                                                            "the text stays in it")
+    return_hidden_states: Optional[bool] = Field(False, description="extension: false only (no hidden states here)")
 
 
 class TextPart(_Open):
@@ -131,6 +138,12 @@ class ChatCompletionRequest(_Sampling):
     response_format: Optional[_Open] = None
     chat_template_kwargs: Optional[dict[str, Any]] = Field(
         None, description="extension: the chat template's own switches, e.g. {\"thinking\": true}")
+    continue_final_message: Optional[bool] = Field(False, description="extension: the model goes on with the last "
+                                                                      "message, an assistant's")
+    separate_reasoning: Optional[bool] = Field(True, description="extension: false keeps the reasoning in content")
+    stream_reasoning: Optional[bool] = Field(True, description="extension: false streams the reasoning as one delta "
+                                                               "once it ends")
+    include_reasoning: Optional[bool] = Field(True, description="extension: false leaves reasoning_content out")
     reasoning_effort: Optional[str] = None
     store: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None

@@ -9,12 +9,13 @@ from hybrid.serve.parsers.base import (END_THINK, THINK, CallArgs, CallStart, Ca
 
 
 class OutputParser:
-    def __init__(self, calls: Optional[CallSyntax], reasoning: bool):
+    def __init__(self, calls: Optional[CallSyntax], reasoning: bool, separate: bool = True):
         """calls: the family's syntax, None to leave tool markers in the content; reasoning: the text starts
-        inside the reasoning (the prompt ends with <think>)."""
+        inside the reasoning (the prompt ends with <think>); separate false: the reasoning stays in the content,
+        markers and all."""
         self.syntax = calls
         self.buf = ""  # text not yet turned into events
-        self.state = "reasoning" if reasoning else "start"
+        self.state = ("reasoning" if reasoning else "start") if separate else "content"
         self.calls: list[ToolCall] = []
         self.args = ""  # the current call's arguments not yet handed out (their end may be a fence to strip)
         self.parsed = Parsed()
