@@ -36,12 +36,15 @@ class HostTier:
         self.slot_of.move_to_end(key)
         return h
 
-    def put(self, blocks: list[tuple[int, Key, tuple[int, ...]]]) -> None:
-        """Copies of these device blocks (block, key, tokens), before their room is reused."""
+    def put(self, blocks: list[tuple[int, Key, tuple[int, ...]]], keep: frozenset = frozenset()) -> None:
+        """Copies of these device blocks (block, key, tokens), before their room is reused; `keep`: host blocks not
+        to give up for them (a hit being copied back)."""
         todo = [(b, k, t) for b, k, t in blocks if k not in self.slot_of]
-        if not todo or not self.capacity:
+        room = self.capacity - len(keep)
+        todo = todo[:max(0, room)]
+        if not todo:
             return
-        dst = [self._room() for _ in todo]
+        dst = [self._room(keep) for _ in todo]
         for (b, key, tokens), h in zip(todo, dst):
             self.slot_of[key], self.tokens_of[h] = h, tokens
         self._copy([b for b, _, _ in todo], dst, to_host=True)
@@ -50,7 +53,7 @@ class HostTier:
         """Host blocks -> device pool blocks (queued on the current stream from pinned memory)."""
         self._copy(blocks, hosts, to_host=False)
 
-    def _room(self) -> int:
+    def _room(self, keep: frozenset) -> int:
         allocated = sum(kv.shape[0] for kv, _ in (slab[0] for slab in self.slabs))
         if not self.free and allocated < self.capacity:
             n = min(SLAB_BLOCKS, self.capacity - allocated)
@@ -59,7 +62,8 @@ class HostTier:
             self.free = list(range(first + n - 1, first - 1, -1))
         if self.free:
             return self.free.pop()
-        key, h = self.slot_of.popitem(last=False)
+        key = next(k for k, h in self.slot_of.items() if h not in keep)  # the least recently used
+        h = self.slot_of.pop(key)
         del self.tokens_of[h]
         self.evictions += 1
         return h

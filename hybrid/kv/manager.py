@@ -72,7 +72,7 @@ class KVManager:
                 break
             hosts.append(h)
         if hosts:
-            new = self._grow(slot, len(hosts))
+            new = self._grow(slot, len(hosts), keep=frozenset(hosts))
             self.host.get(hosts, new)
             self.pool.publish(slot, prompt, len(self.pool.blocks(slot)))
             self.host_hit += len(hosts) * self.p
@@ -116,10 +116,10 @@ class KVManager:
     def blocks(self, slot: int) -> list[int]:
         return list(self.pool.blocks(slot))
 
-    def _grow(self, slot: int, n: int) -> list[int]:
+    def _grow(self, slot: int, n: int, keep: frozenset = frozenset()) -> list[int]:
         new, evicted = self.pool.grow(slot, n)
         if evicted and self.host is not None:
-            self.host.put(evicted)
+            self.host.put(evicted, keep)
         return new
 
     def _sync(self, slot: int) -> None:

@@ -155,3 +155,19 @@ def test_the_suffix_bound_prefills_the_suffix_over_its_context_and_frees_the_slo
     with pytest.raises(ValueError, match="non-empty"):
         suffix_prefill_s(engine, [], suffix)
     assert _run(engine, context + suffix) == _cold(tiny_model, context + suffix)
+
+
+def test_a_host_tier_too_small_for_both_keeps_the_hit_it_copies_back(tiny_model, vocab):
+    """Three host blocks: the second prompt's evicted blocks find no room beside the first prompt's, which are being
+    copied back; those win."""
+    a = tiny_model.args
+    per_block = a.num_hidden_layers * P * (a.kv_lora_rank + a.qk_rope_head_dim) * 4  # float32
+    engine = Engine(tiny_model, _plan(kv__max_batch=1, decode__batch_cap=1, kv__host_cache_gb=3.5 * per_block / 1e9))
+    assert engine.kv.stats().host_blocks == 3
+    first, second = _prompt(3 * P + 10, 21, vocab), _prompt(3 * P + 20, 22, vocab)
+    _run(engine, first, 2)
+    _run(engine, second, 2)
+    again = first + _prompt(40, 23, vocab)
+    got = _run(engine, again)
+    assert engine.kv.stats().host_hit_tokens == 3 * P
+    assert got == _cold(tiny_model, again)
