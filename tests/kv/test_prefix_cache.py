@@ -171,3 +171,12 @@ def test_a_host_tier_too_small_for_both_keeps_the_hit_it_copies_back(tiny_model,
     got = _run(engine, again)
     assert engine.kv.stats().host_hit_tokens == 3 * P
     assert got == _cold(tiny_model, again)
+
+
+def test_the_host_tier_bench_evicts_then_hits_from_the_host(tiny_model):
+    from hybrid.bench.prefix import host_tier_hit
+
+    engine = Engine(tiny_model, _plan(kv__max_batch=1, decode__batch_cap=1, kv__host_cache_gb=0.05))
+    got = host_tier_hit(engine, 3 * P + 10, 30)
+    assert got["host_hit_tokens"] == 3 * P and got["cold_s"] > 0 and got["host_hit_s"] > 0
+    assert host_tier_hit(Engine(tiny_model, _plan()), 3 * P, 30) is None  # no host tier
