@@ -9,6 +9,7 @@
 #include "host_job.h"
 #include "membw.h"
 #include "moe.h"
+#include "numa.h"
 #include "scan.h"
 #include "thread_pool.h"
 
@@ -45,6 +46,19 @@ PYBIND11_MODULE(_native, m) {
   m.def("selected_isa", &selected_isa, "the kernel variant a name resolves to on this CPU");
   m.def("set_num_threads", &set_num_threads, nogil(), "resize the kernel thread pool (0 = all CPUs)");
   m.def("num_threads", &num_threads, "threads in the kernel thread pool");
+  m.def("set_thread_groups", &set_thread_groups, nogil(), "the kernel thread pool in node groups (threads[g] "
+        "pinned to cpus[g]); no groups: a plain pool");
+  m.def("thread_seats", [] {
+    std::vector<std::pair<int, int>> out;
+    for (const auto& s : pool().seats()) out.emplace_back(s.group, s.cpu);
+    return out;
+  }, "the pool's active seats, (group, cpu): the caller's, then each worker's");
+  m.def("thread_groups", [] { return pool().grouped() ? pool().group_cpus() : std::vector<std::vector<int>>{}; },
+        "each node group's CPUs (none: a plain pool)");
+  m.def("bind_memory", &bind_memory, nogil(), "the whole pages of a range bound to a NUMA node (mbind): 0 or errno");
+  m.def("page_nodes", &page_nodes, nogil(), "the NUMA node of pages sampled over a range (-errno where unknown)");
+  m.def("read_bandwidth_node", &read_bandwidth_node, nogil(), "read roof of one thread group from memory on a node: "
+        "(GB/s, share of its pages on the node)");
   m.def("read_bandwidth", &read_bandwidth, nogil(), "measured memory read roof, GB/s");
   m.def("silu_mul", &silu_mul, nogil(), "out = bf16(silu(g) * u), the MoE op's SiLU step");
   m.def("count_fp8_nan", &count_fp8_nan, nogil(), "FP8 E4M3 NaN codes (0x7F, 0xFF) in a contiguous run");
@@ -62,7 +76,15 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("global_syncs", &MoELayer::last_global_syncs)
       .def_property_readonly("wait_s", &MoELayer::last_wait_s)
       .def_property_readonly("tail_s", &MoELayer::last_tail_s)
-      .def_property_readonly("stage_s", &MoELayer::last_stage_s);
+      .def_property_readonly("stage_s", &MoELayer::last_stage_s)
+      .def_property("nodes", &MoELayer::nodes, &MoELayer::set_nodes)
+      .def_property_readonly("group_bytes", &MoELayer::last_group_bytes)
+      .def("set_trace", &MoELayer::set_trace)
+      .def("take_trace", [](MoELayer& m) {  // read after the call is joined
+        std::vector<std::tuple<int, int, int64_t, int64_t, int, int, int>> out;
+        for (const auto& t : m.last_trace()) out.emplace_back(t.expert, t.stage, t.r0, t.r1, t.group, t.worker, t.cpu);
+        return out;
+      }, "the last call's tasks while tracing: (expert, stage, r0, r1, group, worker, cpu)");
   py::class_<HostJob>(m, "HostJob")
       .def(py::init<MoELayer*, View, View, View, View, std::string, uintptr_t>(), py::arg("layer"), py::arg("x"),
            py::arg("ids"), py::arg("weights"), py::arg("out"), py::arg("isa"), py::arg("signal") = 0,

@@ -1,6 +1,7 @@
 #include "moe.h"
 
 #include <immintrin.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <cstring>
@@ -11,6 +12,7 @@
 #include "gemm_amx.h"
 #include "gemm_int4.h"
 #include "gemm_op.h"
+#include "moe_plan.h"
 #include "thread_pool.h"
 
 namespace hybrid {
@@ -62,49 +64,9 @@ void silu_mul(const View& g, const View& u, const View& out) {
   silu_mul_bf16(g.data<float>(), u.data<float>(), g.dim(0), out.data<uint16_t>());
 }
 
-struct MoELayer::Plan {
-  Isa isa = Isa::generic;
-  int64_t T = 0, K = 0;
-  const uint16_t* x = nullptr;
-  int64_t ldx = 0;
-  const float* wts = nullptr;
-  int64_t ldw = 0;
-  void* out = nullptr;
-  bool out_bf16 = false;
-  int64_t ldo = 0;
-  std::vector<int32_t> used;          // experts with at least one token
-  std::vector<int64_t> row0, rows;    // per used expert: first row in the grouped buffers, token count
-  std::vector<XLayout> layout;        // per used expert: the activations its kernels read (x_layout)
-  std::vector<int64_t> prow0;         // per used expert: first row in xprep and h (AMX layout: padded to 16)
-  std::vector<int32_t> token;         // per grouped row: its token
-  std::vector<int64_t> slot_row;      // per (t, k): its grouped row
-  std::vector<Task> tasks;
-  std::unique_ptr<std::atomic<int>[]> gu_left, prep;  // per used expert
-  // per (token, down chunk): the token's experts whose down rows of that chunk are still to come
-  std::unique_ptr<std::atomic<int>[]> reduce_left;
-  std::atomic<int64_t> next_task{0};
-  std::atomic<int> arrived{0};
-  std::atomic<int> syncs{0};  // global synchronisation points passed by the current call
-  // Where the participants' time went besides tasks, summed over them (ns): waiting for another thread's task
-  // (an expert's gate/up rows, its prepared activations), and the end (leaving the task list until the call ends).
-  std::atomic<int64_t> wait_ns{0}, out_ns{0}, tail_ns{0};
-  // ... and in the tasks' stages (last_stage_s): an expert's activations gathered and packed, the gate/up GEMMs,
-  // SiLU, the down GEMM, the weighted sums (a cache line of their own: every task adds to them)
-  alignas(64) std::atomic<int64_t> prep_ns{0}, gate_up_ns{0}, silu_ns{0}, down_ns{0}, sums_ns{0};
-  std::function<void()> on_done;  // called by the last participant out of a submitted call
-  int threads = 1;
-  int64_t d_chunk = 0, n_chunks = 0, ldxp = 0, ldh = 0;
-  // INT4 experts: x and h rows as the INT4 kernel reads them (int4_prepare_x), per grouped row (0: read as they are)
-  int64_t ldxq = 0, ldhq = 0;
-  Scratch<uint16_t> xg, xprep, h, xq, hq;
-  Scratch<float> g, u, y;
-};
-
 namespace {
 
 void fail(const std::string& msg) { throw std::invalid_argument(msg); }
-
-int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 // Spins until ready() holds; the time spent (if any) is added to waited.
 template <class Ready>
@@ -117,11 +79,6 @@ void wait_until(Ready ready, std::atomic<int64_t>& waited) {
 
 std::string at(const char* what, size_t e) { return std::string(what) + "[" + std::to_string(e) + "]"; }
 
-int64_t read_id(const View& ids, int64_t t, int64_t k) {
-  const int64_t i = t * ids.strides[0] + k;
-  return ids.dtype == "int64" ? ids.data<const int64_t>()[i] : ids.data<const int32_t>()[i];
-}
-
 }  // namespace
 
 MoELayer::MoELayer(const std::vector<View>& gate, const std::vector<View>& gate_scale, const std::vector<View>& up,
@@ -130,6 +87,7 @@ MoELayer::MoELayer(const std::vector<View>& gate, const std::vector<View>& gate_
     : p_(std::make_unique<Plan>()) {
   const size_t E = gate.size();
   if (E == 0 || up.size() != E || down.size() != E) fail("gate, up and down need one weight per expert, same count");
+  node_.assign(E, 0);
   check_view(gate[0], "gate[0]", {"float8_e4m3fn", "bfloat16", "int32"}, 2);  // before its dtype and dims are read
   wt_ = gate[0].dtype == "bfloat16" ? WeightType::bf16 : gate[0].dtype == "int32" ? WeightType::int4 : WeightType::fp8;
   if (wt_ == WeightType::int4) {
@@ -214,50 +172,12 @@ GemmProblem MoELayer::problem(const uint16_t* x, int64_t ldx, const void* w, int
   return q;
 }
 
-void MoELayer::plan(const View& x, const View& ids, const View& weights, const View& out) {
-  check_view(x, "x", {"bfloat16"}, 2);
-  check_view(ids, "ids", {"int64", "int32"}, 2);
-  check_view(weights, "weights", {"float32"}, 2);
-  check_view(out, "out", {"float32", "bfloat16"}, 2);
-  const int64_t T = x.dim(0), K = ids.dim(1), E = experts();
-  check_shape(x, "x", {T, D_});
-  check_shape(ids, "ids", {T, K});
-  check_shape(weights, "weights", {T, K});
-  check_shape(out, "out", {T, D_});
-  Plan& p = *p_;
-  std::vector<std::vector<int64_t>> slots(E);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t e = read_id(ids, t, k);
-      if (e == kSkip) continue;  // computed elsewhere (an expert resident on the GPU)
-      if (e < 0 || e >= E)
-        fail("ids: expert id " + std::to_string(e) + " out of range 0.." + std::to_string(E - 1) + " (token " +
-             std::to_string(t) + ", slot " + std::to_string(k) + ")");
-      slots[e].push_back(t * K + k);
-    }
-  p.T = T, p.K = K;
-  p.x = x.data<const uint16_t>(), p.ldx = x.strides[0];
-  p.wts = weights.data<const float>(), p.ldw = weights.strides[0];
-  p.out = reinterpret_cast<void*>(out.ptr), p.out_bf16 = out.dtype == "bfloat16", p.ldo = out.strides[0];
-  p.used.clear(), p.row0.clear(), p.rows.clear(), p.token.clear();
-  p.slot_row.assign(T * K, -1);
-  for (int64_t e = 0; e < E; ++e) {
-    if (slots[e].empty()) continue;
-    p.used.push_back(int32_t(e));
-    p.row0.push_back(int64_t(p.token.size()));
-    p.rows.push_back(int64_t(slots[e].size()));
-    for (int64_t s : slots[e]) {
-      p.slot_row[s] = int64_t(p.token.size());
-      p.token.push_back(int32_t(s / K));
-    }
-  }
-}
-
 void MoELayer::submit(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa,
                       std::function<void()> on_done) {
   if (pending_) fail("a previous submit() has not been waited for");
   plan(x, ids, weights, out);
-  schedule(isa, pool().async_size());
+  const int caller = pool().size() == 1 ? pool().caller_group() : -1;  // no worker: submit() runs it here
+  schedule(isa, pool().participants(caller), caller);
   p_->on_done = std::move(on_done);
   pending_ = true;
   ticket_ = pool().submit([this](int worker) { run_job(worker); });
@@ -266,85 +186,11 @@ void MoELayer::submit(const View& x, const View& ids, const View& weights, const
 void MoELayer::forward(const View& x, const View& ids, const View& weights, const View& out, const std::string& isa) {
   if (pending_) fail("a previous submit() has not been waited for");
   plan(x, ids, weights, out);
-  schedule(isa, pool().size());
+  const int caller = pool().caller_group();
+  schedule(isa, pool().participants(caller), caller);
   p_->on_done = nullptr;
   pool().run([this](int worker) { run_job(worker); });
   ++p_->syncs;  // the end of the job
-}
-
-void MoELayer::schedule(const std::string& isa, int participants) {
-  Plan& p = *p_;
-  p.isa = resolve_isa(isa);
-  p.threads = participants;
-  const int64_t R = int64_t(p.token.size()), n_used = int64_t(p.used.size());
-  int64_t prepared = 0;  // rows of xprep and h
-  bool any_prepared = false;
-  p.layout.clear(), p.prow0.clear();
-  for (int64_t e = 0; e < n_used; ++e) {
-    const GemmProblem q{nullptr, 0, nullptr, 0, nullptr, 0, nullptr, 0, p.rows[e], 0, 0, wt_};
-    p.layout.push_back(x_layout(p.isa, q));
-    p.prow0.push_back(prepared);
-    prepared += x_rows(p.layout.back(), p.rows[e]);
-    any_prepared |= p.layout.back() != XLayout::plain;
-  }
-  p.ldxp = padded_k(D_);
-  p.ldh = any_prepared ? padded_k(I_) : I_;
-  p.xg.get(R * D_);
-  if (any_prepared) p.xprep.get(prepared * p.ldxp);
-  p.h.get(prepared * p.ldh, /*zero=*/p.ldh != I_);  // the lanes past I stay zero
-  p.g.get(R * I_), p.u.get(R * I_), p.y.get(R * D_);
-  const bool int4 = wt_ == WeightType::int4;
-  p.ldxq = int4 ? int4_x_elems(p.isa, D_) : 0, p.ldhq = int4 ? int4_x_elems(p.isa, I_) : 0;
-  p.xq.get(R * p.ldxq), p.hq.get(R * p.ldhq);
-
-  const int64_t per_expert = std::max<int64_t>(1, (8 * p.threads + n_used - 1) / std::max<int64_t>(n_used, 1));
-  const int64_t gu_chunk = round_up((I_ + per_expert - 1) / per_expert, 64);
-  const int64_t d_chunk = round_up((D_ + per_expert - 1) / per_expert, 16);
-  p.d_chunk = d_chunk, p.n_chunks = (D_ + d_chunk - 1) / d_chunk;
-  p.tasks.clear();
-  auto push = [&](int32_t e, int32_t stage, int64_t n, int64_t chunk) {
-    for (int64_t r = 0; r < n; r += chunk) p.tasks.push_back({e, stage, r, std::min(n, r + chunk)});
-  };
-  p.gu_left.reset(new std::atomic<int>[n_used]);
-  p.prep.reset(new std::atomic<int>[n_used]);
-  // An expert's down tasks go `lag` experts behind its gate/up tasks, tunables().moe_lag_rounds rounds of tasks
-  // (one per thread) later: by the time a thread takes them, the thread that took its gate/up has usually finished,
-  // so it does not spin on the expert's counter. A gate/up task reads two matrices, a down task one: with 16 threads
-  // and one task per stage (512 tokens over 256 experts, balanced), one round behind left the threads waiting 7.5-9.4 %
-  // of the layer, two rounds 0.6 % (H200 test machine's Xeon; 151 against 160 ms); one expert behind, ~1/3 of the
-  // time. At one token (many tasks per expert) the lag is 2 experts either way.
-  const int64_t per_expert_tasks = (I_ + gu_chunk - 1) / gu_chunk + (D_ + d_chunk - 1) / d_chunk;
-  const int64_t rounds = tunables().moe_lag_rounds * p.threads;
-  const int32_t lag = int32_t(1 + (rounds + per_expert_tasks - 1) / per_expert_tasks);
-  // The experts in the order their tasks are queued: by token count, most first (tunables().moe_longest_first), so
-  // that the layer ends on its cheapest tasks and the threads run out of work closer together. Under random routing
-  // (T = 512: 8-27 tokens per expert, an expert with 17 or more paying a second AMX token tile) the order of the
-  // ids left the threads waiting and idle at the end ~10 % of the layer on the H200 test machine's Xeon (V1); side by
-  // side in one call, 6.8 % by ids against 3.2 % longest first (V2; docs/perf/journal.md).
-  std::vector<int32_t> order(n_used);
-  for (int32_t e = 0; e < n_used; ++e) order[e] = e;
-  if (tunables().moe_longest_first)
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p.rows[a] > p.rows[b]; });
-  for (int32_t i = 0; i < n_used; ++i) {
-    const int32_t e = order[i];
-    p.gu_left[e] = int((I_ + gu_chunk - 1) / gu_chunk) + (p.ldhq ? 1 : 0);  // + 1: h's preparation (gate_up)
-    p.prep[e] = 0;
-    push(e, 0, I_, gu_chunk);
-    if (i >= lag) push(order[i - lag], 1, D_, d_chunk);
-  }
-  for (int64_t i = std::max<int64_t>(0, n_used - lag); i < n_used; ++i) push(order[i], 1, D_, d_chunk);
-  // Each (token, chunk) is summed by whoever finishes the last of its experts' down rows there: no barrier.
-  // A token with no expert here (all computed elsewhere) is summed (to zeros) now.
-  p.reduce_left.reset(new std::atomic<int>[p.T * p.n_chunks]);
-  for (int64_t t = 0; t < p.T; ++t) {
-    int n = 0;
-    for (int64_t k = 0; k < p.K; ++k) n += p.slot_row[t * p.K + k] >= 0;
-    for (int64_t j = 0; j < p.n_chunks; ++j) p.reduce_left[t * p.n_chunks + j].store(n, std::memory_order_relaxed);
-    if (n == 0) reduce(t, 0, D_);
-  }
-  p.next_task = 0, p.arrived = 0, p.syncs = 0;
-  p.wait_ns = 0, p.out_ns = 0, p.tail_ns = 0;
-  p.prep_ns = 0, p.gate_up_ns = 0, p.silu_ns = 0, p.down_ns = 0, p.sums_ns = 0;
 }
 
 void MoELayer::wait() {
@@ -472,12 +318,16 @@ void MoELayer::run_job(int) {
   Plan& p = *p_;
   const int64_t scratch = scratch_elems(p.isa, std::max(D_, I_));
   uint16_t* tile = scratch ? thread_tile(scratch) : nullptr;
-  const int64_t n_tasks = int64_t(p.tasks.size());
-  auto run = [&](const Task& t) {
+  int g = ThreadPool::worker_group();
+  if (g < 0 || g >= p.groups) g = p.caller_group;  // the caller
+  Plan::Queue& q = p.queues[g];
+  for (int64_t i; (i = q.next.fetch_add(1)) < q.end;) {
+    const Task& t = p.tasks[i];
     if (t.stage == 0) gate_up(t.expert, t.r0, t.r1, tile);
     else down(t.expert, t.r0, t.r1, tile);
-  };
-  for (int64_t i; (i = p.next_task.fetch_add(1)) < n_tasks;) run(p.tasks[i]);
+    q.bytes.fetch_add(bytes_read(t), std::memory_order_relaxed);
+    if (p.tracing) p.trace[i] = {p.used[t.expert], t.stage, t.r0, t.r1, g, ThreadPool::worker_index(), sched_getcpu()};
+  }
   // A participant with no task left goes on to the pool's next job; the last one out ends the call. Each adds its
   // leaving time before it counts itself out; the last one turns the sum into the participants' idle time from
   // their leaving to the call's end (its clock read after the count: no leaving time is later).

@@ -8,6 +8,10 @@
 // taken by whoever finishes the last of its experts' down rows there (a per-(token, chunk) counter; the sum in k
 // order whoever takes it). No barrier: a thread with no task left leaves for the pool's next job.
 // Global synchronisations per layer: 1 (the end of the job).
+// NUMA: each expert has a node (set_nodes). On a pool in node groups (thread_pool.h) the tasks are queued per group
+// and a thread takes only its own group's: an expert's weights are read by the threads of the node that holds them.
+// An expert whose group has no thread in a call goes to a group that has. The sums are taken as above, whichever
+// group finishes a token's last expert: the results are the same bits with and without groups.
 #pragma once
 #include <atomic>
 #include <functional>
@@ -64,6 +68,20 @@ class MoELayer {
   // "down" (its GEMM), "sums" (the weighted sums over experts).
   std::map<std::string, double> last_stage_s() const;
 
+  // Each expert's NUMA node: the pool group whose threads run its tasks (node % the pool's groups; default 0).
+  void set_nodes(const std::vector<int>& node);
+  const std::vector<int>& nodes() const { return node_; }
+  // The last call's expert weight bytes (and their scales) read, per group of the pool.
+  std::vector<int64_t> last_group_bytes() const;
+  // While on, each call records who ran each of its tasks (last_trace).
+  struct TaskRecord {
+    int expert, stage;  // the expert's id; 0 gate/up rows, 1 down rows
+    int64_t r0, r1;
+    int group, worker, cpu;  // the thread's group, its worker index (-1: the caller), the CPU it ran on
+  };
+  void set_trace(bool on) { trace_ = on; }
+  std::vector<TaskRecord> last_trace() const;
+
  private:
   struct Expert {
     const void *gate, *up, *down;
@@ -78,8 +96,10 @@ class MoELayer {
   struct Plan;
 
   void plan(const View& x, const View& ids, const View& weights, const View& out);
-  void schedule(const std::string& isa, int participants);
+  void schedule(const std::string& isa, const std::vector<int>& participants, int caller_group);
   void run_job(int worker);
+  void queue_tasks(const std::vector<int>& participants, int64_t gu_chunk, int64_t d_chunk);
+  int64_t bytes_read(const Task& t) const;
   void prepare_expert(int e);
   void gate_up(int e, int64_t r0, int64_t r1, uint16_t* tile);
   void down(int e, int64_t r0, int64_t r1, uint16_t* tile);
@@ -91,6 +111,8 @@ class MoELayer {
                       float* y, int64_t ldy, int64_t M, int64_t N, int64_t K) const;
 
   std::vector<Expert> w_;
+  std::vector<int> node_;  // per expert
+  bool trace_ = false;
   WeightType wt_;
   int64_t D_, I_;
   std::unique_ptr<Plan> p_;

@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <stdexcept>
@@ -13,6 +14,7 @@ namespace hybrid {
 namespace {
 
 constexpr auto kSpin = std::chrono::microseconds(200);
+thread_local int t_group = -1, t_rank = -1, t_index = -1;  // a worker's group, rank in it, index in its pool
 
 std::vector<int> allowed_cpus() {
   cpu_set_t set;
@@ -46,12 +48,73 @@ bool spin_until(Pred pred) {
 ThreadPool::ThreadPool(int threads) {
   if (threads < 1) throw std::invalid_argument("thread pool needs at least one thread");
   const std::vector<int> cpus = allowed_cpus();
+  group_cpus_ = {cpus};
+  std::vector<Seat> seats;  // seat i on the i-th allowed CPU; the caller keeps the first
+  for (int i = 0; i < threads; ++i) seats.push_back({cpus.empty() ? -1 : cpus[i % cpus.size()], 0});
+  start(std::move(seats));
+}
+
+ThreadPool::ThreadPool(const std::vector<std::vector<int>>& group_cpus, const std::vector<int>& group_threads)
+    : group_cpus_(group_cpus), grouped_(true) {
+  const size_t G = group_cpus.size();
+  if (G == 0 || group_threads.size() != G)
+    throw std::invalid_argument("thread groups: one list of CPUs and one thread count per group");
+  for (size_t g = 0; g < G; ++g)
+    if (group_cpus[g].empty() || group_threads[g] < 1)
+      throw std::invalid_argument("thread group " + std::to_string(g) + ": needs CPUs and at least one thread");
+  std::vector<Seat> seats;  // interleaved: narrowing keeps each group's share
+  std::vector<int> left = group_threads, next(G, 0);
+  for (bool more = true; more;) {
+    more = false;
+    for (size_t g = 0; g < G; ++g)
+      if (left[g] > 0) {
+        const auto& cpus = group_cpus[g];
+        seats.push_back({cpus[next[g]++ % cpus.size()], int(g)});
+        more = --left[g] > 0 || more;
+      }
+  }
+  start(std::move(seats));
+}
+
+void ThreadPool::start(std::vector<Seat> seats) {
+  seats_ = std::move(seats);
+  const int threads = int(seats_.size());
   active_.store(threads - 1, std::memory_order_release);
-  for (int i = 1; i < threads; ++i) {  // worker i on the i-th allowed CPU; the caller keeps the first
-    workers_.emplace_back([this, i] { loop(i - 1); });
-    if (!cpus.empty()) pin(workers_.back(), cpus[i % cpus.size()]);
+  std::vector<int> rank(group_cpus_.size(), 0);
+  for (int i = 1; i < threads; ++i) {  // worker i - 1 on seat i; the caller keeps seat 0
+    const Seat seat = seats_[i];
+    const int r = rank[seat.group]++;
+    workers_.emplace_back([this, i, seat, r] {
+      t_group = seat.group, t_rank = r, t_index = i - 1;
+      loop(i - 1);
+    });
+    if (seat.cpu >= 0) pin(workers_.back(), seat.cpu);
   }
 }
+
+std::vector<ThreadPool::Seat> ThreadPool::seats() const {
+  return std::vector<Seat>(seats_.begin(), seats_.begin() + active() + 1);
+}
+
+int ThreadPool::caller_group() const {
+  if (!grouped_) return 0;
+  const int cpu = sched_getcpu();
+  for (size_t g = 0; g < group_cpus_.size(); ++g)
+    if (std::find(group_cpus_[g].begin(), group_cpus_[g].end(), cpu) != group_cpus_[g].end()) return int(g);
+  return 0;
+}
+
+std::vector<int> ThreadPool::participants(int caller_group) const {
+  std::vector<int> n(group_cpus_.size(), 0);
+  const int a = active();
+  for (int i = 1; i <= a; ++i) ++n[seats_[i].group];
+  if (caller_group >= 0) ++n[caller_group];
+  return n;
+}
+
+int ThreadPool::worker_group() { return t_group; }
+int ThreadPool::worker_rank() { return t_rank; }
+int ThreadPool::worker_index() { return t_index; }
 
 ThreadPool::~ThreadPool() {
   wait();  // a posted job runs to completion: a worker that sees stop_ first would drop it unrun
@@ -201,5 +264,24 @@ void set_num_threads(int threads) {
 }
 
 int num_threads() { return pool().size(); }
+
+void set_thread_groups(const std::vector<std::vector<int>>& cpus, const std::vector<int>& threads) {
+  if (cpus.empty()) {
+    if (global() && global()->grouped()) {
+      const int n = global()->capacity();
+      global().reset();
+      global() = std::make_unique<ThreadPool>(n);
+    }
+    return;
+  }
+  if (global() && global()->grouped() && global()->group_cpus() == cpus) {
+    global()->set_active(global()->capacity());
+    std::vector<int> have(cpus.size(), 0);
+    for (const auto& seat : global()->seats()) ++have[seat.group];
+    if (have == threads) return;
+  }
+  global().reset();
+  global() = std::make_unique<ThreadPool>(cpus, threads);
+}
 
 }  // namespace hybrid

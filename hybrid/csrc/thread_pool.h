@@ -12,6 +12,10 @@
 // set_active(n) narrows or widens the pool between jobs without making or ending threads: the workers beyond the
 // first n - 1 park (asleep on a condition, no spinning on their cores) until it is widened again, so a process can
 // hand cores to other work for a while (a prefill beside decode) and take them back for the cost of a wake-up.
+// Node groups (NUMA): each participant has a seat, a CPU and a group (a node's threads). A grouped pool seats its
+// groups' threads interleaved (group 0, 1, ..., 0, 1, ...), so that narrowing it keeps each group's share; each
+// worker is pinned to its seat's CPU, and the caller takes the seat of the group whose CPUs it runs on at the call.
+// A job reads its thread's group (worker_group, worker_rank) to take only that group's work (moe.cpp).
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -25,7 +29,12 @@ namespace hybrid {
 
 class ThreadPool {
  public:
+  struct Seat {
+    int cpu, group;
+  };
   explicit ThreadPool(int threads);
+  // group_threads[g] participants pinned to group_cpus[g] (round-robin over them), the caller counted in group 0
+  ThreadPool(const std::vector<std::vector<int>>& group_cpus, const std::vector<int>& group_threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -39,6 +48,21 @@ class ThreadPool {
   void wait();
   void wait(uint64_t ticket);
 
+  int groups() const { return int(group_cpus_.size()); }
+  bool grouped() const { return grouped_; }
+  const std::vector<std::vector<int>>& group_cpus() const { return group_cpus_; }
+  // The active participants' seats: the caller's (index 0), then the active workers'.
+  std::vector<Seat> seats() const;
+  // The group whose CPUs the calling thread runs on now (0 where none holds it).
+  int caller_group() const;
+  // Per group, the threads a job posted now runs on: the active workers, plus the caller in caller_group when it
+  // works too (run(), or submit() on a pool without active workers; caller_group < 0: it does not).
+  std::vector<int> participants(int caller_group) const;
+  // The calling thread's group, and its index among its group's workers, if it is a worker of a pool; else -1.
+  static int worker_group();
+  static int worker_rank();
+  static int worker_index();
+
  private:
   static constexpr int kQueued = 4;
   struct Slot {
@@ -47,12 +71,16 @@ class ThreadPool {
     std::atomic<int> pending{0};     // workers yet to finish it
     std::atomic<uint64_t> ticket{0};  // the job in this slot (ticket % kQueued == the slot)
   };
+  void start(std::vector<Seat> seats);
   uint64_t post(std::function<void(int)> fn, int first_index);
   bool done(uint64_t ticket) const;
   void loop(int index);
   int active() const { return active_.load(std::memory_order_acquire); }
 
   std::vector<std::thread> workers_;
+  std::vector<Seat> seats_;                    // per participant: the caller's, then each worker's
+  std::vector<std::vector<int>> group_cpus_;  // per group, its CPUs (one group of every allowed CPU when plain)
+  bool grouped_ = false;
   Slot slots_[kQueued];
   std::atomic<uint64_t> generation_{0};  // the latest job's ticket (tickets count from 1)
   std::atomic<bool> stop_{false};
@@ -64,9 +92,12 @@ class ThreadPool {
 };
 
 // The process-wide pool the kernels use; sized by set_num_threads (0 = every CPU this process may use): narrowed
-// and widened in place up to the most threads it has had, made anew only to grow past that.
+// and widened in place up to the most threads it has had, made anew only to grow past that (a plain pool then).
+// set_thread_groups makes it anew in node groups (threads[g] pinned to cpus[g]) unless it has that layout already;
+// with no groups, a grouped pool is made anew plain, as many threads as it had.
 ThreadPool& pool();
 void set_num_threads(int threads);
 int num_threads();
+void set_thread_groups(const std::vector<std::vector<int>>& cpus, const std::vector<int>& threads);
 
 }  // namespace hybrid

@@ -25,14 +25,41 @@ def _prepare(x_TD, ids_TK, weights_TK, out_TD):
 
 
 class CpuMoE:
+    """`nodes`: each expert's NUMA node, whose pool group runs its tasks (docs/design/numa.md); None: node 0."""
+
     def __init__(self, gate: Sequence[torch.Tensor], up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
                  gate_scale: Sequence[torch.Tensor] = (), up_scale: Sequence[torch.Tensor] = (),
-                 down_scale: Sequence[torch.Tensor] = (), kernel: str = "auto"):
+                 down_scale: Sequence[torch.Tensor] = (), kernel: str = "auto", nodes: Optional[Sequence[int]] = None):
         self._keep = [list(t) for t in (gate, up, down, gate_scale, up_scale, down_scale)]  # the C++ holds addresses
         self.kernel = kernel
         self._op = _native.MoELayer(*[[view(t) for t in ts] for ts in
                                       (gate, gate_scale, up, up_scale, down, down_scale)])
         self._inflight: Optional[tuple] = None
+        if nodes is not None:
+            self.nodes = nodes
+
+    @property
+    def nodes(self) -> list[int]:
+        return self._op.nodes
+
+    @nodes.setter
+    def nodes(self, nodes: Sequence[int]) -> None:
+        self._op.nodes = [int(n) for n in nodes]
+
+    @property
+    def node_bytes(self) -> list[int]:
+        """The last call's expert weight bytes (and scales) read by each group of the pool's threads: per NUMA node
+        under policy.cpu.numa, one entry on a plain pool."""
+        return self._op.group_bytes
+
+    def trace(self, on: bool = True) -> None:
+        """While on, each call records who ran each of its tasks (`take_trace`): a debugging aid."""
+        self._op.set_trace(on)
+
+    def take_trace(self) -> list[tuple[int, int, int, int, int, int, int]]:
+        """The last call's tasks: (expert, stage (0 gate/up, 1 down), first row, end row, the thread's pool group,
+        its worker index (-1: the caller), the CPU it ran on)."""
+        return self._op.take_trace()
 
     def submit(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                out_TD: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -63,7 +90,7 @@ class CpuMoE:
     def twin(self) -> "CpuMoE":
         """Another op over the same weights (nothing copied) with call state of its own: while this op's call is
         pending, the twin's may be submitted too (a second decode lane); the thread pool runs them in turn."""
-        return CpuMoE(*self._keep, kernel=self.kernel)
+        return CpuMoE(*self._keep, kernel=self.kernel, nodes=self.nodes)
 
     def host_job(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                  out_TD: torch.Tensor, signal: Optional[torch.Tensor] = None) -> "_native.HostJob":

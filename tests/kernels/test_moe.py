@@ -19,8 +19,10 @@ op agrees to ~1e-7); err/bound <= 0.87 over 40 seeds x every case. The levels ar
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
 import time
 
 import pytest
@@ -30,7 +32,7 @@ from hybrid import _native
 from hybrid.kernels import dispatch
 from hybrid.kernels.gemm import AMX_MIN_TOKENS, gemm, set_amx_min_tokens, set_batch_invariant
 from hybrid.kernels.moe import CpuMoE, set_moe_lag_rounds, set_moe_longest_first
-from hybrid.kernels.thread_pool import set_threads, threads
+from hybrid.kernels.thread_pool import set_groups, set_threads, threads
 from hybrid.kernels.view import view
 from hybrid.weights.synthetic import RMS_CODE
 from tests.kernels.common import bf16, block_scales, dense64, fp8_codes, record, rel_errors, rng_for, seed_note
@@ -40,6 +42,35 @@ WTYPES = ["fp8", "bf16"]
 E, TOPK = 16, 4
 DIMS = [(200, 96), (256, 320)]  # (D hidden, I intermediate): ragged 128-blocks, 64-chunks and row tiles
 TOKENS = [1, 2, 4, 16, 64]
+CPUS = sorted(os.sched_getaffinity(0))
+HALVES = [CPUS[:len(CPUS) // 2], CPUS[len(CPUS) // 2:]]  # two simulated NUMA nodes (docs/design/numa.md)
+CONTIGUOUS = [0] * (E // 2) + [1] * (E - E // 2)  # a layer's experts over them, as placement splits it
+
+
+@contextlib.contextmanager
+def two_nodes(per_node=(2, 2)):
+    """The pool in two simulated NUMA nodes (this machine's CPUs in two halves; more threads than cores), plain
+    again after."""
+    before = threads()
+    set_groups(HALVES, per_node)
+    try:
+        yield
+    finally:
+        set_groups([], [])
+        set_threads(before)
+
+
+@pytest.fixture(params=["plain", "2 nodes"])
+def pool_nodes(request):
+    """Each expert's NUMA node for the op under test: None on the plain pool, or CONTIGUOUS on a pool in two
+    simulated nodes (tests/kernels/test_moe_numa.py has the rest)."""
+    if request.param == "plain":
+        yield None
+        return
+    if len(CPUS) < 2:
+        pytest.skip("two CPU groups need two CPUs")
+    with two_nodes():
+        yield CONTIGUOUS
 
 
 def acc(n: int) -> float:
@@ -168,7 +199,7 @@ def test_dtypes(variant, wtype, ids_dtype, out_dtype):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_skipped_ids_add_nothing(variant):
+def test_skipped_ids_add_nothing(variant, pool_nodes):
     """id -1 marks a slot computed elsewhere (an expert resident on the GPU): the op is the reference over the other
     slots alone; a token with every slot skipped gets zeros."""
     D, I = DIMS[0]
@@ -180,7 +211,9 @@ def test_skipped_ids_add_nothing(variant):
     skipped[0, 1] = skipped[2, 0] = skipped[2, 3] = -1
     skipped[4] = -1
     out = torch.full((T, D), float("nan"))
-    op_for("fp8", D, I, variant)(x, skipped, w, out)
+    op = op_for("fp8", D, I, variant).twin()
+    op.nodes = pool_nodes or op.nodes
+    op(x, skipped, w, out)
     keep = skipped >= 0
     assert torch.equal(out[4], torch.zeros(D))
     ex = experts("fp8", D, I)
@@ -189,7 +222,7 @@ def test_skipped_ids_add_nothing(variant):
 
 @pytest.mark.parametrize("wtype", WTYPES)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_hot_expert(variant, wtype):
+def test_hot_expert(variant, wtype, pool_nodes):
     """One expert in every token's top-k (prefill of a skewed batch): that expert gets T = 130 rows, enough for
     the prefill (weight-tile) path; the others get a few rows each."""
     D, I = DIMS[1]
@@ -198,7 +231,9 @@ def test_hot_expert(variant, wtype):
     x = bf16(rng, (T, D))
     ids, w, hot = routing_with_hot(rng, T)
     out = torch.full((T, D), float("nan"))
-    op_for(wtype, D, I, variant)(x, ids, w, out)
+    op = op_for(wtype, D, I, variant).twin()
+    op.nodes = pool_nodes or op.nodes
+    op(x, ids, w, out)
     check(out, x, ids, w, experts(wtype, D, I)["dense"], variant, wtype)
 
 
