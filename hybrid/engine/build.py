@@ -21,7 +21,7 @@ from hybrid.engine.engine import Engine
 from hybrid.engine.long_prefill import LongPrefill
 from hybrid.engine.probe import probe
 from hybrid.errors import ConfigError
-from hybrid.kernels import combine, fp8_linear, pointwise, thread_pool
+from hybrid.kernels import combine, fp8_linear, int4_linear, pointwise, thread_pool
 from hybrid.kernels.gemm import set_amx_min_tokens, set_amx_overlap, set_batch_invariant, set_tile_min_tokens
 from hybrid.model.transformer import Transformer
 from hybrid.placement.hot_experts import HotExperts
@@ -137,8 +137,7 @@ def place_model(cfg: ModelConfig, plan: Plan, progress: bool = True) -> Placed:
     weight_bytes = place(model, device, plan.gpu.weights, gemm, fused, c.kernel if native else None, c.lm_head)
     loader = None
     if plan.cuda and native:
-        if a.fp8_block:
-            fp8_linear.warm_up(expert_gemm_shapes(a), device, gemm)
+        warm_up_experts(a, device, gemm)
         loader = StreamLoader(gemm, combine.warm_up(a.num_experts_per_tok, a.hidden_size, device, model.dtype))
     return Placed(plan, model, tok, staging, gemm, fused, weight_bytes, loader, arenas)
 
@@ -230,8 +229,7 @@ def peer_model(device: torch.device, cfg: ModelConfig, plan: Plan, threads: int)
     chunk_prefill_attention(model, plan.prefill.attention_chunk_tokens)
     if not cuda:
         return model, StreamLoader(gemm)
-    if a.fp8_block:
-        fp8_linear.warm_up(expert_gemm_shapes(a), device, gemm)
+    warm_up_experts(a, device, gemm)
     return model, StreamLoader(gemm, combine.warm_up(a.num_experts_per_tok, a.hidden_size, device, model.dtype))
 
 
@@ -274,6 +272,14 @@ def expert_gemm_shapes(a) -> list[tuple[int, int]]:
     """The weight shapes [N, K] a streamed expert multiplies by: gate+up fused, gate or up alone, down."""
     i, d = a.moe_intermediate_size, a.hidden_size
     return [(2 * i, d), (i, d), (d, i)]
+
+
+def warm_up_experts(a, device: torch.device, gemm: fp8_linear.Fp8Gemm) -> None:
+    """The streamed and resident experts' GEMMs compiled now (FP8 or INT4 weights; BF16 ones need none)."""
+    if a.fp8_block:
+        fp8_linear.warm_up(expert_gemm_shapes(a), device, gemm)
+    elif a.expert_group:
+        int4_linear.warm_up(expert_gemm_shapes(a), device, gemm, a.expert_group)
 
 
 def slot_bytes(model: Transformer) -> int:

@@ -2,10 +2,11 @@
 
 The CPU reads the weights of every routed expert a token picks. The experts picked most often can stay in GPU memory
 instead, so that the CPU reads fewer bytes per token. Per MoE layer, N fixed GPU slots hold copies of the hottest
-experts (weights as the checkpoint stores them: FP8 + block scales, through hybrid/kernels/fp8_linear.py); a table
-on the device maps an expert id to its slot (-1: on the CPU). In a step, every slot runs over all the layer's tokens,
-weighted by the routing weight where the token picked it (0 elsewhere) — static shapes, so CUDA graphs capture it —
-and the CPU op gets those picks as id -1 (skip).
+experts (weights as the checkpoint stores them: FP8 + block scales through hybrid/kernels/fp8_linear.py, or INT4's
+packed words + group scales through the W4A16 GEMM, hybrid/kernels/int4_linear.py); a table on the device maps an
+expert id to its slot (-1: on the CPU). In a step, every slot runs over all the layer's tokens, weighted by the
+routing weight where the token picked it (0 elsewhere) — static shapes, so CUDA graphs capture it — and the CPU op
+gets those picks as id -1 (skip).
 
 Which experts are hot comes from routing counts gathered on the device as the engine runs (decayed, so the set
 follows the traffic); `refresh()` (after each prefill) moves the hottest into the slots. Slot addresses never change,
@@ -19,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid.kernels import int4_linear
 from hybrid.kernels.fp8_linear import DEFAULT_GEMM, Fp8Gemm, stored_linear
+from hybrid.model.layers import Int4Linear
 from hybrid.model.moe import RoutedExperts
 
 PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -35,12 +38,15 @@ class HotExperts(nn.Module):
         self._host = (host_experts,)  # in a tuple, not a submodule: they stay on the host
         self.gemm = gemm
         first = host_experts[0]
-        self.block = first.gate_proj.block
+        # INT4: the group size, the packed words and group scales resident (else FP8 or BF16: block, weight, scale)
+        self.int4 = first.gate_proj.group if isinstance(first.gate_proj, Int4Linear) else None
+        self.block = None if self.int4 else first.gate_proj.block
+        self.stored = ("weight_packed", "weight_scale") if self.int4 else ("weight", "weight_scale_inv")
+        self.inputs = {p: getattr(first, p).in_features for p in PROJ}
         for p in PROJ:
-            lin = getattr(first, p)
-            self.register_buffer(f"{p}_w", torch.zeros(n, *lin.weight.shape, dtype=lin.weight.dtype, device=device))
-            if self.block is not None:
-                s = lin.weight_scale_inv
+            w, s = (getattr(getattr(first, p), name, None) for name in self.stored)
+            self.register_buffer(f"{p}_w", torch.zeros(n, *w.shape, dtype=w.dtype, device=device))
+            if s is not None:
                 self.register_buffer(f"{p}_s", torch.zeros(n, *s.shape, dtype=s.dtype, device=device))
         e = len(host_experts)
         self.register_buffer("slot_of", torch.full((e,), -1, dtype=torch.long, device=device))
@@ -76,8 +82,11 @@ class HotExperts(nn.Module):
         self.counts.add_(counts_E.to(self.counts.device))
 
     def _linear(self, x: torch.Tensor, proj: str, j: int) -> torch.Tensor:
+        w = getattr(self, f"{proj}_w")[j]
+        if self.int4:
+            return int4_linear.linear(x, w, getattr(self, f"{proj}_s")[j], self.inputs[proj], self.int4, self.gemm)
         scale = getattr(self, f"{proj}_s")[j] if self.block is not None else None
-        return stored_linear(x, getattr(self, f"{proj}_w")[j], scale, self.block, self.gemm)
+        return stored_linear(x, w, scale, self.block, self.gemm)
 
     def route(self, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
         """(each token's weight on each slot [T, N], 0 where not picked; the ids left for the CPU, resident picks
@@ -110,9 +119,9 @@ class HotExperts(nn.Module):
             expert = self.host_experts[e]
             for p in PROJ:
                 lin = getattr(expert, p)
-                getattr(self, f"{p}_w")[j].copy_(lin.weight, non_blocking=True)
-                if self.block is not None:
-                    getattr(self, f"{p}_s")[j].copy_(lin.weight_scale_inv, non_blocking=True)
+                getattr(self, f"{p}_w")[j].copy_(getattr(lin, self.stored[0]), non_blocking=True)
+                if self.int4 or self.block is not None:
+                    getattr(self, f"{p}_s")[j].copy_(getattr(lin, self.stored[1]), non_blocking=True)
             self.slot_of[e] = j
             self.resident[j] = e
         return list(self.resident)

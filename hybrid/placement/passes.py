@@ -26,7 +26,6 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import nn
 
-from hybrid.errors import ConfigError
 from hybrid.placement.pinned import pinned_bytes, trim_heap
 from hybrid.kernels.fp8_linear import DEFAULT_GEMM, CpuFp8Gemm, Fp8Gemm
 from hybrid.kernels.moe import CpuMoE
@@ -52,12 +51,6 @@ def _cpu_op(experts: RoutedExperts, kernel: str) -> CpuMoE:
 
 def _int4(experts: RoutedExperts) -> bool:
     return isinstance(experts[0].gate_proj, Int4Linear)
-
-
-def _no_int4_on_gpu(layers: list["CpuExperts"], what: str) -> None:
-    if layers and _int4(layers[0].host_experts):
-        raise ConfigError(f"{what}: INT4 routed experts run on the CPU kernels only for now (no GPU W4A16 GEMM yet: "
-                          "docs/design/int4.md); use a CPU-only host (hw=cpu_only)")
 
 
 class Staged(NamedTuple):
@@ -311,8 +304,6 @@ def hot_experts_to_device(model: nn.Module, n: int, device: torch.device,
                           gemm: Fp8Gemm = DEFAULT_GEMM) -> list[HotExperts]:
     """Every MoE layer on the CPU kernels gets n slots on `device` for its hottest routed experts (computed through
     `gemm`), in place of those it had (n = 0: none); returns them, layer by layer."""
-    if n:
-        _no_int4_on_gpu(cpu_experts(model), "policy.gpu.experts_per_layer > 0 (hot experts on the GPU)")
     hot = []
     for m in [m for m in model.modules() if isinstance(m, MoE) and isinstance(m.experts, CpuExperts)]:
         m.experts = m.experts.with_hot(HotExperts(m.experts.host_experts, n, device, gemm) if n else None)
@@ -326,7 +317,6 @@ def pin_experts(model: nn.Module, pin: bool = True) -> int:
     expert in the stream-loading ring's slot layout, so one copy moves an expert; returns the arena bytes. Layer by
     layer, the old copies' memory is handed back before the next arena is taken (the peak: one layer's experts above
     the model's own bytes, where no other reference holds them)."""
-    _no_int4_on_gpu(cpu_experts(model), "a GPU host (pinned experts for stream-loading prefill)")
     total = 0
     for layer in cpu_experts(model):
         n = len(layer.host_experts) * layout(expert_tensors(layer.host_experts[0]))[1]
@@ -349,6 +339,10 @@ def move_into_arena(layer: CpuExperts, arena: torch.Tensor, copy: bool = True) -
                 view.copy_(t)
             proj, attr = name.split(".")
             setattr(getattr(expert, proj), attr, nn.Parameter(view, requires_grad=False))
+        if _int4(layer.host_experts):  # the recorded shapes, the only tensors left in the checkpoint's pages
+            for p in PROJ:
+                lin = getattr(expert, p)
+                lin.weight_shape = nn.Parameter(lin.weight_shape.clone(), requires_grad=False)
     layer.arena, layer.slot_bytes = arena, slot
     layer.rebuild()
     if copy:

@@ -30,7 +30,9 @@ from torch import nn
 from hybrid.prefill.events import PairedEvent
 from hybrid.prefill.ring import expert_tensors, layout
 from hybrid.prefill.throttle import Throttle
+from hybrid.kernels import int4_linear
 from hybrid.kernels.fp8_linear import Fp8Gemm, dequantize, stored_linear
+from hybrid.model.layers import Int4Linear
 
 if TYPE_CHECKING:
     from hybrid.prefill.slp import StreamLoader
@@ -83,18 +85,22 @@ class Pipeline:
         self._queued_bytes = 0
         self._group_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.n_experts = len(layers[0].host_experts)
-        self.block = layers[0].host_experts[0].gate_proj.block
         first = layers[0].host_experts[0]
+        # INT4 experts: their group size, the packed words and group scales (else FP8 or BF16: block, weight, scale)
+        self.int4 = first.gate_proj.group if isinstance(first.gate_proj, Int4Linear) else None
+        self.block = None if self.int4 else first.gate_proj.block
+        self._w, self._s = ("weight_packed", "weight_scale") if self.int4 else ("weight", "weight_scale_inv")
         fields, slot_bytes = layout(expert_tensors(first))
         self.ring = self.loader.take_ring(ring_len, fields, slot_bytes, device, budget_bytes)
-        # gate and up read as one [2I, D] matrix when they (and their scales) lie back to back in the slot
+        # gate and up read as one [2I, D] matrix when they (and their scales) lie back to back in the slot; FP8's
+        # 128-row scale blocks must not straddle the two, INT4's groups run along rows
         self.inter, self.hidden = first.gate_proj.out_features, first.down_proj.out_features
-        gate, up = fields["gate_proj.weight"], fields["up_proj.weight"]
-        self.fused = up.offset == gate.offset + first.gate_proj.weight.nbytes
-        if self.block is not None:
-            gs, us = fields["gate_proj.weight_scale_inv"], fields["up_proj.weight_scale_inv"]
-            self.fused &= (self.inter % self.block[0] == 0
-                           and us.offset == gs.offset + first.gate_proj.weight_scale_inv.nbytes)
+        gate, up = fields[f"gate_proj.{self._w}"], fields[f"up_proj.{self._w}"]
+        self.fused = up.offset == gate.offset + getattr(first.gate_proj, self._w).nbytes
+        if self.block is not None or self.int4:
+            gs, us = fields[f"gate_proj.{self._s}"], fields[f"up_proj.{self._s}"]
+            self.fused &= ((self.int4 is not None or self.inter % self.block[0] == 0)
+                           and us.offset == gs.offset + getattr(first.gate_proj, self._s).nbytes)
         self.ready: "queue.Queue" = queue.Queue()
         self.done: "queue.Queue" = queue.Queue()
         self.stop = threading.Event()
@@ -242,26 +248,32 @@ class Pipeline:
             self.done.put((slot, off, tag))
 
     def _stored(self, slot: int, proj: str, rows: int = 0):
-        """The weight of `proj` in `slot` and its block scales (None for BF16); `rows` reads that many output rows
-        from the weight's start (gate and up together)."""
-        w = self.ring.view(slot, f"{proj}.weight")
+        """The weight of `proj` in `slot` (INT4: its packed words) and its scales (None for BF16); `rows` reads that
+        many output rows from the weight's start (gate and up together)."""
+        w = self.ring.view(slot, f"{proj}.{self._w}")
         if rows:
-            w = self.ring.view(slot, f"{proj}.weight", (rows, w.shape[1]))
+            w = self.ring.view(slot, f"{proj}.{self._w}", (rows, w.shape[1]))
         s = None
-        if self.block is not None:
-            s = self.ring.view(slot, f"{proj}.weight_scale_inv")
+        if self.block is not None or self.int4:
+            s = self.ring.view(slot, f"{proj}.{self._s}")
             if rows:
-                s = self.ring.view(slot, f"{proj}.weight_scale_inv", (-(-rows // self.block[0]), s.shape[1]))
+                scale_rows = rows if self.int4 else -(-rows // self.block[0])
+                s = self.ring.view(slot, f"{proj}.{self._s}", (scale_rows, s.shape[1]))
         return w, s
 
     def linear(self, slot: int, proj: str, x: torch.Tensor, rows: int = 0, out=None) -> torch.Tensor:
-        """x through the projection `proj` of the expert in `slot` (FP8: hybrid/kernels/fp8_linear.py)."""
+        """x through the projection `proj` of the expert in `slot` (FP8: hybrid/kernels/fp8_linear.py; INT4:
+        int4_linear.py, by the same GEMM policy)."""
         w, s = self._stored(slot, proj, rows)
+        if self.int4:
+            return int4_linear.linear(x, w, s, x.shape[-1], self.int4, self.gemm, out=out)
         return stored_linear(x, w, s, self.block, self.gemm, out=out)
 
     def _dequantize(self, slot: int, proj: str, out: torch.Tensor, rows: int = 0) -> None:
         w, s = self._stored(slot, proj, rows)
-        if self.block is None:
+        if self.int4:
+            int4_linear.dequantize(w, s, out.shape[1], self.int4, out=out)
+        elif self.block is None:
             out.copy_(w)
         else:
             dequantize(w, s, self.block, out=out)

@@ -17,6 +17,8 @@ import torch
 
 from hybrid.errors import ConfigError
 
+SCALES = ("weight_scale_inv", "weight_scale")  # FP8's block scales, INT4's group scales
+
 
 @dataclass(frozen=True)
 class Field:
@@ -26,11 +28,12 @@ class Field:
 
 
 def layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[dict[str, Field], int]:
-    """Byte offsets of one expert's tensors in a slot, and the slot size (256-aligned). Weights start 256-aligned;
-    FP32 block scales only 4-aligned, so that gate's and up's scales lie back to back like their weights."""
+    """Byte offsets of one expert's tensors in a slot, and the slot size (256-aligned). Weights (FP8, BF16, packed
+    INT4 words) start 256-aligned; scales (FP8's FP32 block scales, INT4's BF16 group scales) only at their element
+    size, so that gate's and up's scales lie back to back like their weights."""
     fields, offset = {}, 0
     for name, t in tensors:
-        align = 4 if t.dtype == torch.float32 else 256
+        align = t.element_size() if name.endswith(SCALES) else 256
         offset = -(-offset // align) * align
         fields[name] = Field(offset, tuple(t.shape), t.dtype)
         offset += t.nbytes
@@ -117,13 +120,15 @@ def overwritten_before_off(log: list[tuple[str, int, object]]) -> list[tuple[int
 
 def expert_tensors(expert: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """One expert's tensors in slot order: gate and up weights side by side (one GEMM can read them as one [2I, D]
-    matrix), then their scales, then down's weight and scale."""
-    names = ["gate_proj.weight", "up_proj.weight", "gate_proj.weight_scale_inv", "up_proj.weight_scale_inv",
-             "down_proj.weight", "down_proj.weight_scale_inv"]
+    matrix), then their scales, then down's weight and scale. FP8 or BF16: `weight` (and `weight_scale_inv`); INT4:
+    `weight_packed` and `weight_scale` (`weight_shape` stays out: the layer knows its shape)."""
     out = []
-    for name in names:
-        proj, attr = name.split(".")
-        t = getattr(getattr(expert, proj), attr, None)
-        if t is not None:
-            out.append((name, t))
+    for weight, scale in (("weight", SCALES[0]), ("weight_packed", SCALES[1])):
+        names = [f"gate_proj.{weight}", f"up_proj.{weight}", f"gate_proj.{scale}", f"up_proj.{scale}",
+                 f"down_proj.{weight}", f"down_proj.{scale}"]
+        for name in names:
+            proj, attr = name.split(".")
+            t = getattr(getattr(expert, proj), attr, None)
+            if t is not None:
+                out.append((name, t))
     return out

@@ -41,17 +41,24 @@ def streaming(model, device, ring_len, budget, group=1):
     return StreamLoader().streaming(model, device, ring_len, budget, group)
 
 
+@pytest.fixture(params=["tiny", "tiny_kimi_int4"])
+def slp_dir(request):
+    """FP8 experts, and Kimi-K2-Thinking's INT4 ones (more of those: tests/prefill/test_slp_int4.py)."""
+    return request.getfixturevalue("tiny_dir" if request.param == "tiny" else "kimi_int4_dir")
+
+
 @pytest.mark.parametrize("group", [1, 8])
 @pytest.mark.parametrize("ring_len", [1, 2, 3, 16])
-def test_slp_logits_equal_the_plain_forward(tiny_dir, ring_len, group):
-    plain, hybrid = _models(tiny_dir)
-    tokens = torch.randint(2, 320, (1, 40), generator=torch.Generator().manual_seed(ring_len))
+def test_slp_logits_equal_the_plain_forward(slp_dir, ring_len, group):
+    plain, hybrid = _models(slp_dir)
+    a = hybrid.args
+    tokens = torch.randint(2, a.vocab_size - 4, (1, 40), generator=torch.Generator().manual_seed(ring_len))
     pos = torch.arange(40)[None]
     want = plain(tokens, pos)[0]
     with streaming(hybrid, CPU, ring_len, BIG, group) as pipe:
         got = hybrid(tokens, pos, experts=pipe.experts)[0]
     assert (got - want).abs().max() <= 1e-5, f"ring_len {ring_len}"
-    n_moe, n_exp = 2, 16
+    n_moe, n_exp = a.n_moe_layers, a.n_routed_experts
     writes = [x for x in pipe.ring.log if x[0] == "write"]
     assert len(writes) == n_moe * n_exp and len(pipe.ring.log) == 2 * n_moe * n_exp
     assert overwritten_before_off(pipe.ring.log) == []
