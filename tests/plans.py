@@ -15,6 +15,9 @@ from hybrid.weights.presets import DEEPSEEK_V3
 CPU = Probe(physical_cores=8, cpu_missing={"amx": "amx_tile", "avx512_bf16": None, "avx512": None, "avx2": None,
                                            "generic": None}, kernel_env=None, cuda=False)
 GPU = replace(CPU, cuda=True, gpu_count=2, sms=132, green_contexts=True, stream_waits=True, grouped_gemm=True)
+# two NUMA nodes of 32 CPUs each, without and with the GPUs (the two-socket epyc2x_5090x2 box)
+NUMA2 = replace(CPU, physical_cores=64, numa_nodes=(tuple(range(32)), tuple(range(32, 64))))
+NUMA2_GPU = replace(GPU, physical_cores=64, numa_nodes=NUMA2.numa_nodes)
 ARGS = ModelArgs.from_hf_config(DEEPSEEK_V3)  # DeepSeek-V3's shape
 
 

@@ -129,9 +129,17 @@ class CpuPolicy:
     lm_head: str = "bf16"  # lm_head without a GPU: bf16 (as published) | fp8 (quantised at load; changes logits)
     amx_overlap: Optional[bool] = None  # kernel amx: the next weight slab converted while this one's tiles multiply
     # (the same bits either way); null = on
+    numa: Optional[bool] = None  # per-node thread pools, each node's share of the experts bound to it; null = on
+    # where the machine (and the profile) has more than one NUMA node
+    numa_simulated: int = 0  # N >= 2: this machine's CPUs in N groups run as N nodes, memory left where it is (tests)
+    numa_split: Optional[List[float]] = None  # each node's share of every MoE layer's expert bytes; null = equal
 
     def __post_init__(self) -> None:
         _at_least(self, "cpu", 1, "threads", optional=True)
+        if self.numa_simulated == 1 or self.numa_simulated < 0:
+            raise ConfigError(f"policy.cpu.numa_simulated must be 0 (off) or >= 2, got {self.numa_simulated}")
+        if self.numa_split is not None and (not self.numa_split or min(self.numa_split) <= 0):
+            raise ConfigError(f"policy.cpu.numa_split: a positive share per node, got {list(self.numa_split)}")
         _one_of(self, "cpu", "lm_head", ("bf16", "fp8"))
         _one_of(self, "cpu", "kernel", (None, *KERNELS))
         _one_of(self, "cpu", "moe_backend", ("native", "torch"))

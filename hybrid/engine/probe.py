@@ -1,5 +1,5 @@
-"""What `resolve` (hybrid/plan/resolve.py) needs to know of this machine, found out once per build: cores, the CPU
-kernels' ISA variants, the GPU (its SMs, green contexts, stream waits on host memory, a grouped GEMM)."""
+"""What `resolve` (hybrid/plan/resolve.py) needs to know of this machine, found out once per build: cores, NUMA
+nodes, the CPU kernels' ISA variants, the GPU (its SMs, green contexts, stream waits on host memory, a grouped GEMM)."""
 from __future__ import annotations
 
 import os
@@ -23,9 +23,11 @@ def probe(hw: HwConfig, dtype: torch.dtype = torch.bfloat16, cpu_peer: bool = Fa
     """This machine as a plan on profile hw needs it (the CUDA checks only where a GPU computes), for a model
     computing in dtype. cpu_peer: the two-GPU mode's stand-in on the CPU (the tests')."""
     cuda = bool(hw.gpus) and torch.cuda.is_available()
-    out = Probe(physical_cores=detect().physical_cores, cpu_missing={v: _missing(v) for v in VARIANTS},
+    machine = detect()
+    out = Probe(physical_cores=machine.physical_cores, cpu_missing={v: _missing(v) for v in VARIANTS},
                 kernel_env=os.environ.get(ENV), cuda=cuda, cpu_peer=cpu_peer,
-                grouped_gemm=grouped_gemm_missing(torch.device("cuda" if cuda else "cpu"), dtype) is None)
+                grouped_gemm=grouped_gemm_missing(torch.device("cuda" if cuda else "cpu"), dtype) is None,
+                numa_nodes=tuple(node.cpus for node in machine.nodes))
     if not cuda:
         return out
     device = torch.device("cuda", 0)

@@ -19,6 +19,13 @@ class Gpu(NamedTuple):
     memory_gb: float  # GiB, as cards are sized (an H200 reads 140.4, a 32 GB RTX 5090 31.8)
 
 
+class Node(NamedTuple):
+    """A NUMA node as this process sees it."""
+    id: int
+    cpus: tuple[int, ...]  # the node's CPUs this process may run on, ascending
+    memory_gb: float  # its MemTotal in GB of 1e9 bytes
+
+
 @dataclass(frozen=True)
 class Machine:
     cpu_model: str
@@ -29,6 +36,7 @@ class Machine:
     numa_nodes: int
     memory_gb: float  # MemTotal in GB of 1e9 bytes
     gpus: tuple[Gpu, ...] = ()
+    nodes: tuple[Node, ...] = ()  # the NUMA nodes with CPUs this process may run on (sysfs; none where it has no nodes)
 
     def summary(self) -> str:
         gpus = ", ".join(f"{g.name} {g.memory_gb:.1f} GB" for g in self.gpus) or "no GPU"
@@ -62,6 +70,7 @@ def detect() -> Machine:
         numa_nodes=max(1, len(list(SYS_NODE.glob("node[0-9]*")))),
         memory_gb=mem_total_gb(PROC / "meminfo"),
         gpus=cuda_gpus(),
+        nodes=numa_topology(SYS_NODE, os.sched_getaffinity(0)),
     )
 
 
@@ -77,6 +86,31 @@ def topology(sys_cpu: Path) -> tuple[int, int]:
     return len(cores), len({package for package, _ in cores})
 
 
+def numa_topology(sys_node: Path, allowed: set[int]) -> tuple[Node, ...]:
+    """Each NUMA node's CPUs (of `allowed`) and memory, from sysfs; nodes without an allowed CPU are left out (a
+    memory-only node, one outside this process's cpuset)."""
+    nodes = []
+    for d in sorted(sys_node.glob("node[0-9]*"), key=lambda d: int(d.name[4:])):
+        try:
+            cpus = tuple(c for c in parse_cpulist((d / "cpulist").read_text()) if c in allowed)
+            memory = meminfo_bytes(f"Node {d.name[4:]} MemTotal", d / "meminfo") / 1e9
+        except (OSError, RuntimeError, ValueError):
+            continue
+        if cpus:
+            nodes.append(Node(int(d.name[4:]), cpus, memory))
+    return tuple(nodes)
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """sysfs's CPU list form, "0-3,8,10-11", as CPU numbers."""
+    out = []
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
 def cpuinfo_model(path: Path) -> str:
     try:
         lines = path.read_text().splitlines()
@@ -89,7 +123,7 @@ def meminfo_bytes(key: str, path: Path = PROC / "meminfo") -> int:
     """A /proc/meminfo field (MemTotal, MemAvailable, ...) in bytes."""
     for line in path.read_text().splitlines():
         if line.startswith(f"{key}:"):
-            return int(line.split()[1]) * 1024
+            return int(line[len(key) + 1:].split()[0]) * 1024
     raise RuntimeError(f"no {key} in {path}")
 
 

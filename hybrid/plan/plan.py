@@ -50,6 +50,12 @@ class CpuPlan:
     deferred_experts: int = field(metadata=PLACED)
     lm_head: str = field(metadata=PLACED)  # bf16 | fp8: the lm_head's weights on the CPU (bf16 where a GPU holds it)
     amx_overlap: bool
+    # NUMA (docs/design/numa.md): pools per node, each node's share of the experts bound to it
+    numa: bool = field(default=False, metadata=PLACED)
+    numa_simulated: int = field(default=0, metadata=PLACED)  # N: the nodes are N groups of CPUs, memory left as is
+    numa_nodes: tuple[tuple[int, ...], ...] = field(default=(), metadata=PLACED)  # per node, its threads' CPUs
+    numa_threads: tuple[int, ...] = ()  # per node, its threads (summing to threads)
+    numa_split: tuple[float, ...] = field(default=(), metadata=PLACED)  # per node, its share of each layer's experts
 
 
 @dataclass(frozen=True)
@@ -157,6 +163,8 @@ class Plan:
                                                         + (", half a step apart)" if d.dual_stagger else ")")
                                                         if d.cuda_graphs != "off" else "in turn (no overlap)")
                     if d.dual_batch else "")]
+        if c.numa:
+            lines.insert(1, self._describe_numa())
         if self.cuda:
             lines += [self._describe_prefill(),
                       f"  GPU: weights {g.weights}, FP8 GEMM {g.fp8_gemm}, CUDA graphs {d.cuda_graphs}"
@@ -169,6 +177,16 @@ class Plan:
             if self.ledger is not None:
                 lines.append("  memory: " + ", ".join(f"{name} {b / 1e9:.2f} GB" for name, b in self.ledger.rows()))
         return "\n".join(lines)
+
+    def _describe_numa(self) -> str:
+        c = self.cpu
+        nodes = f"{len(c.numa_nodes)} nodes (CPUs " + " | ".join(cpu_ranges(n) for n in c.numa_nodes) + ")"
+        if c.numa_simulated:
+            nodes = f"{len(c.numa_nodes)} CPU groups as nodes (CPUs " + nodes.split("(CPUs ", 1)[1]
+        where = "memory left where it is (simulated)" if c.numa_simulated else "each bound to its node"
+        return (f"  NUMA: {nodes}, a thread pool per node of " + " + ".join(map(str, c.numa_threads))
+                + " threads; each MoE layer's experts split by bytes " + " / ".join(f"{s:.0%}" for s in c.numa_split)
+                + f", {where}, run by their node's threads")
 
     def _describe_prefill(self) -> str:
         p = self.prefill
@@ -192,6 +210,17 @@ class Plan:
         ring = str(p.ring_len) if p.ring_len else "auto (per prompt)"
         return (f"  stream-loading prefill above {p.slp_cutoff_tokens} tokens: ring {ring}, experts in groups of "
                 f"{p.slp_group_experts}, chunks {p.slp_chunk_tokens or 'whole prompt'}, on {gpus}, {beside}")
+
+
+def cpu_ranges(cpus) -> str:
+    """CPU numbers in sysfs's list form: 0-3,8."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def placed_changes(old: Plan, new: Plan) -> list[str]:

@@ -13,6 +13,7 @@ from hybrid.errors import ConfigError
 from hybrid.kernels.dispatch import VARIANTS
 from hybrid.kernels.gemm import AMX_MIN_TOKENS, OUTER_MIN_TOKENS, TILE_MIN_TOKENS
 from hybrid.placement.memory import auto_chunk, group_bytes
+from hybrid.plan.numa import resolve_numa
 from hybrid.plan.plan import CpuPlan, DecodePlan, GpuPlan, KvPlan, Ledger, Plan, PrefillPlan
 
 AUTO_GROUP = 16  # experts stream-loading prefill computes together where a grouped GEMM applies (docs/perf/prefill.md)
@@ -32,6 +33,7 @@ class Probe:
     stream_waits: bool = False  # a stream (also in a graph) can wait for a word of pinned host memory
     grouped_gemm: bool = False  # torch has a grouped GEMM for the model's activations on the device
     cpu_peer: bool = False  # the two-GPU mode's stand-in on the CPU (tests): the prefill peer on the CPU too
+    numa_nodes: tuple[tuple[int, ...], ...] = ()  # each NUMA node's CPUs this process may use (none: one node)
 
 
 def resolve(p: PolicyConfig, hw: HwConfig, args, probe: Probe) -> Plan:
@@ -45,11 +47,14 @@ def resolve(p: PolicyConfig, hw: HwConfig, args, probe: Probe) -> Plan:
         raise ConfigError("policy.gpu.experts_per_layer > 0 keeps hot experts on the GPU: this profile runs without "
                           "one (set it to 0)")
     kernel = cpu_kernel(p.cpu.kernel, probe)
-    cpu = CpuPlan(threads=p.cpu.threads or hw.cpu.cores or probe.physical_cores, kernel=kernel,
+    threads = p.cpu.threads or hw.cpu.cores or probe.physical_cores
+    numa = resolve_numa(p.cpu, hw, probe.numa_nodes, probe.physical_cores, threads)
+    cpu = CpuPlan(threads=threads, kernel=kernel,
                   moe_backend=p.cpu.moe_backend, gemm_tile_tokens=gemm_tile_tokens(p, kernel),
                   amx_min_tokens=amx_min_tokens(p), batch_invariant=p.decode.batch_invariant,
                   deferred_experts=p.cpu.deferred_experts, lm_head=p.cpu.lm_head if not cuda and native else "bf16",
-                  amx_overlap=p.cpu.amx_overlap is not False)
+                  amx_overlap=p.cpu.amx_overlap is not False, numa=numa.on, numa_simulated=numa.simulated,
+                  numa_nodes=numa.nodes, numa_threads=numa.threads, numa_split=numa.split)
     graphs = graphs_mode(p, cuda, native, notes)
     hostfn = graphs == "hostfn"
     d = p.decode

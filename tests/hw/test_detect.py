@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 
 from hybrid.config.schema import HwConfig
 from hybrid.hw import Machine, detect
-from hybrid.hw.detect import cpuinfo_model, mem_total_gb, topology
+from hybrid.hw.detect import Node, cpuinfo_model, mem_total_gb, numa_topology, parse_cpulist, topology
 from hybrid.kernels.cpu_features import cpu_brand, cpu_features
 
 IMPLIED = [  # (feature, a feature it implies)
@@ -102,3 +102,27 @@ def test_meminfo_and_cpuinfo(tmp_path):
     (tmp_path / "cpuinfo").write_text("processor\t: 0\nmodel name\t: AMD EPYC 9355 32-Core Processor\n")
     assert cpuinfo_model(tmp_path / "cpuinfo") == "AMD EPYC 9355 32-Core Processor"
     assert cpuinfo_model(tmp_path / "missing") == ""
+
+
+def test_numa_nodes_their_allowed_cpus_and_memory(tmp_path):
+    """Two sockets' nodes as sysfs lists them (SMT siblings after the cores), a memory-only node left out, this
+    process allowed only some CPUs."""
+    for node, cpus, kb in ((0, "0-3,8-11", 67108864), (1, "4-7,12-15", 33554432), (2, "", 8388608)):
+        d = tmp_path / f"node{node}"
+        d.mkdir()
+        (d / "cpulist").write_text(f"{cpus}\n")
+        (d / "meminfo").write_text(f"Node {node} MemTotal:       {kb} kB\nNode {node} MemFree:        1 kB\n")
+    (tmp_path / "possible").write_text("0-2\n")
+    nodes = numa_topology(tmp_path, allowed=set(range(16)) - {9})
+    assert nodes == (Node(0, (0, 1, 2, 3, 8, 10, 11), 67108864 * 1024 / 1e9), Node(1, (4, 5, 6, 7, 12, 13, 14, 15),
+                                                                                  33554432 * 1024 / 1e9))
+    assert numa_topology(tmp_path / "missing", allowed={0}) == ()
+    assert parse_cpulist("0-2,7,9-10\n") == [0, 1, 2, 7, 9, 10] and parse_cpulist("\n") == []
+
+
+def test_this_machines_nodes_hold_its_allowed_cpus(machine):
+    import os
+
+    cpus = [c for node in machine.nodes for c in node.cpus]
+    assert len(cpus) == len(set(cpus)) and set(cpus) <= os.sched_getaffinity(0)
+    assert all(node.memory_gb >= 0 for node in machine.nodes) and len(machine.nodes) <= machine.numa_nodes

@@ -11,7 +11,7 @@ from hybrid.config.schema import PolicyConfig
 from hybrid.errors import ConfigError
 from hybrid.plan.resolve import AUTO_GROUP, AUTO_SMS_LEFT, resolve, resolve_memory
 from tests import plans
-from tests.plans import ARGS, CPU, GPU, hw as _hw
+from tests.plans import ARGS, CPU, GPU, NUMA2, NUMA2_GPU, hw as _hw
 
 PROFILES = sorted(p.stem for p in (CONF_DIR / "hw").glob("*.yaml"))
 
@@ -171,3 +171,56 @@ def test_amx_overlap_reaches_the_kernels(monkeypatch):
     build.configure_cpu(off)
     assert set_to == {"set_amx_overlap": False, "set_amx_min_tokens": 4, "set_tile_min_tokens": 16,
                       "set_batch_invariant": False, "threads": 8}
+
+
+@pytest.mark.parametrize("probe", [NUMA2, NUMA2_GPU], ids=["cpu", "gpu"])
+def test_numa_resolves_on_for_the_two_socket_profile_on_a_two_node_machine(probe):
+    s = to_settings(compose(["+hw=epyc2x_5090x2"]))
+    plan = resolve(s.policy, s.hw, ARGS, probe)
+    c = plan.cpu
+    assert (c.numa, c.numa_simulated, c.threads) == (True, 0, 64)
+    assert c.numa_nodes == NUMA2.numa_nodes and c.numa_threads == (32, 32) and c.numa_split == (0.5, 0.5)
+    line = plan.describe().splitlines()[1]
+    assert line == ("  NUMA: 2 nodes (CPUs 0-31 | 32-63), a thread pool per node of 32 + 32 threads; each MoE layer's "
+                    "experts split by bytes 50% / 50%, each bound to its node, run by their node's threads")
+    assert plan.params()["cpu.numa_threads"] == (32, 32)
+    off = resolve(policy(cpu__numa=False), s.hw, ARGS, probe).cpu
+    assert (off.numa, off.numa_nodes, off.numa_threads) == (False, (), ())
+    assert "NUMA" not in resolve(policy(cpu__numa=False), s.hw, ARGS, probe).describe()
+
+
+def test_numa_null_is_off_on_one_node_and_true_there_is_refused():
+    assert not resolve(policy(), _hw(), ARGS, CPU).cpu.numa  # the probe saw one node
+    assert not resolve(policy(), _hw(), ARGS, NUMA2).cpu.numa  # the profile says one node
+    with pytest.raises(ConfigError, match=r"policy.cpu.numa=true needs more than one NUMA node: this machine has 1"):
+        resolve(policy(cpu__numa=True), _hw(), ARGS, CPU)
+
+
+def test_numa_threads_and_split_follow_the_nodes():
+    s = to_settings(compose(["+hw=epyc2x_5090x2"]))
+    c = resolve(policy(cpu__threads=7, cpu__numa_split=[3, 1]), s.hw, ARGS, NUMA2).cpu
+    assert c.numa_threads == (4, 3) and c.numa_split == (0.75, 0.25)
+    uneven = replace(NUMA2, numa_nodes=(tuple(range(48)), tuple(range(48, 64))))
+    assert resolve(policy(), s.hw, ARGS, uneven).cpu.numa_threads == (48, 16)
+    with pytest.raises(ConfigError, match=r"numa_split has 3 share\(s\) for 2 NUMA nodes"):
+        resolve(policy(cpu__numa_split=[1, 1, 1]), s.hw, ARGS, NUMA2)
+    with pytest.raises(ConfigError, match=r"threads=1 under policy.cpu.numa: at least one per node"):
+        resolve(policy(cpu__threads=1), s.hw, ARGS, NUMA2)
+    with pytest.raises(ConfigError, match=r"numa_split: a positive share per node"):
+        policy(cpu__numa_split=[1, 0])
+
+
+def test_simulated_numa_groups_this_machines_cpus():
+    plan = resolve(policy(cpu__numa_simulated=2, cpu__threads=4), _hw(), ARGS, CPU)
+    c = plan.cpu
+    assert (c.numa, c.numa_simulated, c.numa_nodes, c.numa_threads) == (True, 2, ((0, 1, 2, 3), (4, 5, 6, 7)), (2, 2))
+    assert "2 CPU groups as nodes (CPUs 0-3 | 4-7)" in plan.describe()
+    assert "memory left where it is (simulated)" in plan.describe()
+    three = resolve(policy(cpu__numa_simulated=3), _hw(), ARGS, NUMA2).cpu  # over the machine's own nodes' CPUs
+    assert [len(n) for n in three.numa_nodes] == [21, 21, 22] and three.numa_threads == (21, 21, 22)
+    with pytest.raises(ConfigError, match=r"numa_simulated=2 contradicts policy.cpu.numa=false"):
+        resolve(policy(cpu__numa_simulated=2, cpu__numa=False), _hw(), ARGS, CPU)
+    with pytest.raises(ConfigError, match=r"numa_simulated=9: this machine has 8 CPU\(s\)"):
+        resolve(policy(cpu__numa_simulated=9), _hw(), ARGS, CPU)
+    with pytest.raises(ConfigError, match=r"numa_simulated must be 0 \(off\) or >= 2"):
+        policy(cpu__numa_simulated=1)
