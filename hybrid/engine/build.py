@@ -24,6 +24,7 @@ from hybrid.errors import ConfigError
 from hybrid.kernels import combine, fp8_linear, int4_linear, pointwise, thread_pool
 from hybrid.kernels.gemm import set_amx_min_tokens, set_amx_overlap, set_batch_invariant, set_tile_min_tokens
 from hybrid.model.transformer import Transformer
+from hybrid.placement import numa
 from hybrid.placement.hot_experts import HotExperts
 from hybrid.placement.memory import check_kv_cache, extra_blocks, free_bytes, kv_cache_bytes
 from hybrid.placement.passes import (chunk_prefill_attention, cpu_experts, experts_to_cpu_kernels,
@@ -45,8 +46,10 @@ def configure_cpu(cpu: CpuPlan) -> None:
     """The native kernels' process-wide settings (one thread pool per process) and torch's intra-op threads, from
     the plan, once per engine build. One count for both: without a GPU they take turns within a step (placement
     runs the routed experts synchronously, the shared experts after them), and torch keeps every core for what stays
-    its own (the BF16 lm_head, attention's score products)."""
+    its own (the BF16 lm_head, attention's score products). Under NUMA the pool's threads are in node groups
+    (cpu.numa_threads each), the rest of the step's CPU work on all of them as without."""
     torch.set_num_threads(cpu.threads)
+    thread_pool.set_groups(cpu.numa_nodes, cpu.numa_threads)  # per NUMA node (none: one plain pool)
     thread_pool.set_threads(cpu.threads)
     set_tile_min_tokens(cpu.gemm_tile_tokens)
     set_amx_min_tokens(cpu.amx_min_tokens)
@@ -121,17 +124,24 @@ def place_model(cfg: ModelConfig, plan: Plan, progress: bool = True) -> Placed:
     arenas = None
     if native:
         experts_to_cpu_kernels(model, c.kernel, staging, c.deferred_experts)
+        bind = numa.split(model, c)  # each expert's node; bound there below (before any page-locking)
         if plan.prefill.gpus > 1:  # the one copy both processes stream from (and this one's CPU kernels read)
             from hybrid.parallel.shared import pin_shared, share_experts
 
             arenas = share_experts(model)
+            if bind:
+                numa.bind_experts(model)
             if plan.cuda:
                 pin_shared(arenas)
             print(f"routed experts: {sum(a.numel() for a in arenas) / 1e9:.2f} GB in shared host memory"
                   + (" (pinned)" if plan.cuda else ""), file=sys.stderr)
         elif plan.cuda:
-            pinned = pin_experts(model)
+            pinned = pin_experts(model, prepare=numa.bind_arena if bind else None)
             print(f"routed experts: {pinned / 1e9:.2f} GB in pinned host memory", file=sys.stderr)
+        elif bind:  # in place: the checkpoint's mapped pages, or weights made in memory
+            numa.bind_experts(model)
+        if c.numa:
+            print(numa.describe(model, c), file=sys.stderr)
     # Triton compiles now, not in a first long prompt; where it fails, the torch forms run
     fused = pointwise.Fused(pointwise.warm_up(a, device, model.dtype))
     weight_bytes = place(model, device, plan.gpu.weights, gemm, fused, c.kernel if native else None, c.lm_head)
@@ -223,6 +233,7 @@ def peer_model(device: torch.device, cfg: ModelConfig, plan: Plan, threads: int)
     a = model.args
     cuda = device.type == "cuda"
     experts_to_cpu_kernels(model, c.kernel, Staging(a.hidden_size, a.num_experts_per_tok, pin=cuda))
+    numa.split(model, c)  # the engine's process binds the shared copy
     gemm = device_gemm(plan)
     fused = pointwise.Fused(pointwise.warm_up(a, device, model.dtype))
     place(model, device, plan.gpu.weights, gemm, fused, c.kernel, c.lm_head)

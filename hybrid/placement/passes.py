@@ -15,13 +15,15 @@
 - `hot_experts_to_device`: every MoE layer on the CPU kernels gets GPU slots for its hottest routed experts (or
   loses them: n = 0).
 - `pin_experts`: the routed experts' weights move into one pinned host arena per layer (fast copies to the GPU for
-  stream-loading prefill); the mmap'd checkpoint pages are then no longer referenced.
+  stream-loading prefill); the mmap'd checkpoint pages are then no longer referenced. Each arena can be prepared
+  before it is page-locked and filled (NUMA: its pages bound to their experts' nodes, hybrid/placement/numa.py).
 
 Legend: T tokens, D hidden, K experts per token.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+import functools
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -39,14 +41,14 @@ from hybrid.prefill.ring import expert_tensors, layout
 from hybrid.quant import fp8
 
 
-def _cpu_op(experts: RoutedExperts, kernel: str) -> CpuMoE:
+def _cpu_op(experts: RoutedExperts, kernel: str, nodes: Optional[list[int]] = None) -> CpuMoE:
     if _int4(experts):
         weight, scale = "weight_packed", "weight_scale"
     else:
         weight, scale = "weight", "weight_scale_inv" if experts[0].gate_proj.block else None
     weights = [[getattr(getattr(e, p), weight) for e in experts] for p in PROJ]
     scales = [[getattr(getattr(e, p), scale) for e in experts] for p in PROJ] if scale else [[], [], []]
-    return CpuMoE(*weights, *scales, kernel=kernel)
+    return CpuMoE(*weights, *scales, kernel=kernel, nodes=nodes)
 
 
 def _int4(experts: RoutedExperts) -> bool:
@@ -66,7 +68,8 @@ class CpuExperts(nn.Module):
     """RoutedExperts' interface over the native CPU op. `start` hands the layer to the CPU threads and returns at
     once (the caller computes the shared experts meanwhile); the handle's `result()` joins and hands the output back
     on the caller's device. `start` is `stage` (into the staging buffers) then `submit` (to the CPU threads): a
-    wrapper can run them apart. `hot`: experts of this layer resident on the compute device, computed there."""
+    wrapper can run them apart. `hot`: experts of this layer resident on the compute device, computed there.
+    `nodes`: each expert's NUMA node (set_nodes), whose threads run it."""
 
     def __init__(self, experts: RoutedExperts, staging: Staging, kernel: str = "auto",
                  hot: Optional[HotExperts] = None):
@@ -78,6 +81,7 @@ class CpuExperts(nn.Module):
         # False (placed on the CPU): `submit` runs the layer on every thread, the caller's too, and returns done;
         # the shared experts then have the cores to themselves
         self.overlap = True
+        self.nodes: Optional[list[int]] = None
         self.op = _cpu_op(experts, kernel)
         self.arena: Optional[torch.Tensor] = None  # pin_experts: every expert's weights, slot_bytes apart
         self.slot_bytes = 0
@@ -100,11 +104,18 @@ class CpuExperts(nn.Module):
         """This layer with `hot` resident experts: a new module over the same host experts, staging and arena."""
         layer = CpuExperts(self.host_experts, self.staging, self.kernel, hot)
         layer.arena, layer.slot_bytes, layer.overlap = self.arena, self.slot_bytes, self.overlap
+        if self.nodes is not None:
+            layer.set_nodes(self.nodes)
         return layer
+
+    def set_nodes(self, nodes: Sequence[int]) -> None:
+        """Each expert's NUMA node: its tasks run on that node's threads of the pool."""
+        self.nodes = [int(n) for n in nodes]
+        self.op.nodes = self.nodes
 
     def rebuild(self) -> None:
         """After the expert weights moved (pinning), point the native op at them."""
-        self.op = _cpu_op(self.host_experts, self.kernel)
+        self.op = _cpu_op(self.host_experts, self.kernel, self.nodes)
 
     def stage(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
               sync: bool = True) -> Staged:
@@ -312,15 +323,22 @@ def hot_experts_to_device(model: nn.Module, n: int, device: torch.device,
     return hot
 
 
-def pin_experts(model: nn.Module, pin: bool = True) -> int:
+def pin_experts(model: nn.Module, pin: bool = True,
+                prepare: Optional[Callable[["CpuExperts", torch.Tensor], object]] = None) -> int:
     """Copies each layer's routed-expert weights into one arena (pinned for fast copies to a GPU), expert after
     expert in the stream-loading ring's slot layout, so one copy moves an expert; returns the arena bytes. Layer by
     layer, the old copies' memory is handed back before the next arena is taken (the peak: one layer's experts above
-    the model's own bytes, where no other reference holds them)."""
+    the model's own bytes, where no other reference holds them). `prepare(layer, arena)`: called on each fresh arena
+    before it is page-locked and filled (placement/numa.py's bind_arena: its pages then land on their nodes)."""
     total = 0
     for layer in cpu_experts(model):
         n = len(layer.host_experts) * layout(expert_tensors(layer.host_experts[0]))[1]
-        arena = pinned_bytes(n) if pin else torch.empty(n, dtype=torch.uint8)  # exactly n bytes page-locked
+        if pin:  # exactly n bytes page-locked
+            arena = pinned_bytes(n, before_lock=functools.partial(prepare, layer) if prepare else None)
+        else:
+            arena = torch.empty(n, dtype=torch.uint8)
+            if prepare:
+                prepare(layer, arena)
         move_into_arena(layer, arena)
         total += arena.numel()
     return total

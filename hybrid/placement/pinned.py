@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import warnings
 import weakref
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -36,9 +37,11 @@ def _code(rc) -> int:
     return int(getattr(rc, "value", rc))
 
 
-def pinned_bytes(nbytes: int, cudart=None, is_pinned=torch.Tensor.is_pinned) -> torch.Tensor:
+def pinned_bytes(nbytes: int, cudart=None, is_pinned=torch.Tensor.is_pinned,
+                 before_lock: Optional[Callable[[torch.Tensor], object]] = None) -> torch.Tensor:
     """A uint8 tensor of `nbytes` page-locked host bytes (uninitialised), page-aligned. `cudart`: the CUDA runtime
-    binding (default torch.cuda.cudart()) and `is_pinned`, torch's view of it: tests pass stand-ins."""
+    binding (default torch.cuda.cudart()) and `is_pinned`, torch's view of it: tests pass stand-ins.
+    `before_lock(t)`: called on the memory before it is page-locked (and its pages committed): NUMA binding."""
     if nbytes <= 0:
         return torch.empty(0, dtype=torch.uint8)
     cudart = cudart or torch.cuda.cudart()
@@ -46,6 +49,8 @@ def pinned_bytes(nbytes: int, cudart=None, is_pinned=torch.Tensor.is_pinned) -> 
     skip = -raw.ctypes.data % PAGE
     t = torch.from_numpy(raw[skip:skip + nbytes])  # holds `raw` (through the view) as long as its storage lives
     ptr = t.data_ptr()
+    if before_lock is not None:
+        before_lock(t)
     try:
         rc = page_lock(t, cudart)
     except Exception as e:  # noqa: BLE001 - a binding that fails is a refusal like any other
