@@ -2,9 +2,10 @@
 transfer and the matmul FLOPs of a prefill, and the times and rates they bound.
 
 Weights are counted as the published checkpoints store them (the model's layout, hybrid/model/): Linear weights in
-FP8 E4M3 with one FP32 scale per block (BF16 and no scales when `fp8_block` is None); norms, the router, the
-embedding and lm_head in BF16; the router's score-correction bias in FP32. A FLOP is a multiply or an add (a GEMM of
-M x N x K is 2MNK).
+FP8 E4M3 with one FP32 scale per block (BF16 and no scales when `fp8_block` is None); routed experts in INT4 where
+`expert_group` is set (compressed-tensors' packing: int32 words of 8 values per row, a BF16 scale per group); norms,
+the router, the embedding and lm_head in BF16; the router's score-correction bias in FP32. A FLOP is a multiply or an
+add (a GEMM of M x N x K is 2MNK).
 """
 from __future__ import annotations
 
@@ -39,9 +40,16 @@ def mlp_bytes(dim: int, inter: int, block: Optional[tuple[int, int]]) -> int:
     return 2 * linear_bytes(inter, dim, block) + linear_bytes(dim, inter, block)
 
 
+def int4_linear_bytes(n: int, k: int, group: int) -> int:
+    """An [N, K] INT4 weight as packed: ceil(K/8) int32 words and ceil(K/group) BF16 scales per row."""
+    return n * (FP32 * -(-k // 8) + BF16 * -(-k // group))
+
+
 def expert_bytes(a: ModelArgs) -> int:
-    """One routed expert's weights with their scales."""
+    """One routed expert's weights with their scales (INT4: the packed words and group scales)."""
     d, i, blk = a.hidden_size, a.moe_intermediate_size, a.fp8_block
+    if a.expert_group:
+        return 2 * int4_linear_bytes(i, d, a.expert_group) + int4_linear_bytes(d, i, a.expert_group)
     return a.expert_bytes + 2 * scale_bytes(i, d, blk) + scale_bytes(d, i, blk)
 
 

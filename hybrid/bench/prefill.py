@@ -23,7 +23,7 @@ from hybrid.bench.records import Record, Records
 from hybrid.bench.timing import cuda_seconds
 from hybrid.config.bench import label, points
 from hybrid.config.compose import RUNS_DIR
-from hybrid.engine.build import build, expert_gemm_shapes
+from hybrid.engine.build import build, warm_up_experts
 from hybrid.errors import ConfigError
 from hybrid.kernels import fp8_linear
 
@@ -87,10 +87,10 @@ def _tile_sweep(engine, n: int, specs) -> list[Record]:
     """TTFT with each Triton tile for prefill-sized row counts (`bench.fp8_tiles`)."""
     if not specs or fp8_linear.triton is None:
         return []
-    default, shapes, out = engine.placed.gemm, expert_gemm_shapes(engine.model.args), []
+    default, out = engine.placed.gemm, []
     for spec in specs:
-        gemm = default.with_("triton", fp8_linear.Tile.parse(spec))  # every row count through the FP8 GEMM
-        fp8_linear.warm_up(shapes, engine.device, gemm)  # compile outside the timing
+        gemm = default.with_("triton", fp8_linear.Tile.parse(spec))  # every row count through the FP8 (W4A16) GEMM
+        warm_up_experts(engine.model.args, engine.device, gemm)  # compile outside the timing
         out.append(Record("slp_fp8_tile", _ttft(engine, n, gemm=gemm), "s", None, n,
                           extra={"tile": str(gemm.large_tile), "default": str(default.large_tile)}))
     return out
@@ -158,11 +158,12 @@ def run(settings) -> list[Record]:
             tc = _ttft(engine, n, streamed=False)
             records.append(Record("cpu_path_ttft", tc, "s", None, n, extra={"tokens_per_s": n / tc}))
     longest = max(cfg.prompt_lengths)
-    for how in fp8_linear.BACKENDS:  # the FP8 math on the streamed experts: FP8 GEMM, dequantise, by rows
+    for how in fp8_linear.BACKENDS:  # the streamed experts' FP8 (INT4) math: the Triton GEMM, dequantise, by rows
         t = _ttft(engine, longest, gemm=engine.placed.gemm.with_(backend=how))
+        quantised = a.fp8_block is not None or a.expert_group is not None
         records.append(Record("slp_fp8_gemm", t, "s", None, longest, extra={
-            "backend": how, "applies": a.fp8_block is not None and (how == "dequant" or fp8_linear.triton
-                                                                     is not None)}))
+            "backend": how, "weights": "int4" if a.expert_group else "fp8" if a.fp8_block else "bf16",
+            "applies": quantised and (how == "dequant" or fp8_linear.triton is not None)}))
     records += _tile_sweep(engine, longest, cfg.fp8_tiles)
     trace = None
     if cfg.trace:

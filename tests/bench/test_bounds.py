@@ -3,6 +3,8 @@ model's own tensors (the real layout on the meta device, the tiny checkpoint loa
 counter."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -11,7 +13,7 @@ from hybrid.bench import bounds
 from hybrid.model.args import ModelArgs
 from hybrid.model.moe import RoutedExperts
 from hybrid.model.transformer import Transformer
-from hybrid.weights.presets import DEEPSEEK_V3
+from hybrid.weights.presets import DEEPSEEK_V3, KIMI_K2_THINKING
 
 V3 = ModelArgs.from_hf_config(DEEPSEEK_V3)
 # DeepSeek-V3 by hand: hidden 7168, expert intermediate 2048, 256 experts top-8, 61 layers of which the first 3 are
@@ -63,6 +65,21 @@ def test_deepseek_v3_bytes_match_the_models_own_layout():
     rest = {k: v for k, v in state.items() if k not in routed}
     assert _nbytes(rest.values()) == bounds.non_expert_bytes(V3, embedding=True)
     assert _nbytes(v for k, v in rest.items() if k != "model.embed_tokens.weight") == bounds.non_expert_bytes(V3)
+
+
+def test_kimi_k2_thinking_int4_expert_bytes_match_the_models_own_layout():
+    """INT4 experts: half a byte per weight and a BF16 scale per 32 inputs (the recorded shapes, 16 bytes a Linear,
+    are left out: they never stream); the rest BF16."""
+    a = ModelArgs.from_hf_config(KIMI_K2_THINKING)
+    assert bounds.expert_bytes(a) == 3 * 2048 * 7168 // 2 + 3 * 2048 * 7168 // 32 * 2 == 24_772_608
+    assert bounds.int4_linear_bytes(100, 200, 32) == 100 * (25 * 4 + 7 * 2), "ragged words and groups count whole"
+    args = dataclasses.replace(a, num_hidden_layers=3, first_k_dense_replace=1, vocab_size=1024)
+    with torch.device("meta"):
+        state = Transformer(args).state_dict()
+    routed = {k: v for k, v in state.items() if ".mlp.experts." in k}
+    assert _nbytes(v for k, v in routed.items() if not k.endswith("weight_shape")) == bounds.routed_bytes(args)
+    rest = {k: v for k, v in state.items() if k not in routed}
+    assert _nbytes(rest.values()) == bounds.non_expert_bytes(args, embedding=True)
 
 
 def test_tiny_bytes_match_the_loaded_checkpoint(tiny_model):

@@ -29,6 +29,7 @@ def test_on_a_gpu_every_way_is_timed_against_cublas():
                                           "bench.repeats=1", "bench.fp8_tiles=[128x128x64/8/3,128x128x128/8/3]"])))
     names = {(r.extra["matrix"], r.m, r.name) for r in recs}
     assert ("gate_up", 512, "triton_gemm 128x128x64/8/3") in names and ("down", 64, "dequant_triton") in names
+    assert ("gate_up", 512, "int4_triton_gemm 128x128x64/8/3") in names and ("down", 64, "int4_dequant_triton") in names
     assert all(r.value > 0 for r in recs)
 
 
