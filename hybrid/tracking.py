@@ -1,7 +1,9 @@
 """Run tracking with MLflow: every `python -m hybrid` run (and every tuner study and trial) is recorded.
 
 Where: `tracking.uri` ("" = sqlite under runs/: runs/mlflow.db, artifacts under runs/mlartifacts/, or a server such
-as http://host:5000); one experiment per model (`hybrid-<model>`, created with an explicit artifact location).
+as http://host:5000, which several machines share); one experiment per model (`hybrid-<model>`, created with an
+explicit artifact location unless a server places artifacts). A fresh sqlite store is created under a file lock, so
+processes starting together create it once; a server that does not answer /health is one line naming tracking.uri.
 What: params = the resolved hw, model and policy, flattened (`policy.cpu.threads`, `hw.cpu.cores`, ...), plus the
 plan they resolved to (`plan.cpu.threads`, `plan.cpu.kernel`, ...); metrics = the SLO report card (TTFT, TPOT, prefill
 and decode tokens/s) or the bench's records, with achieved ÷ bound where a record has a bound; artifacts = the
@@ -26,6 +28,8 @@ from typing import Any, Mapping, Optional
 
 from hybrid.config.compose import RUNS_DIR
 from hybrid.config.schema import TrackingConfig
+from hybrid.errors import ConfigError
+from hybrid.locking import locked, sqlite_file
 from hybrid.process import stop_group
 
 RUN_ID_ENV = "HYBRID_MLFLOW_RUN_ID"  # log into this existing run (the tuner's trial child runs) instead of a new one
@@ -50,33 +54,57 @@ def experiment_name(t: TrackingConfig, model_name: str) -> str:
     return t.experiment or f"hybrid-{model_name}"
 
 
-def is_local(uri: str) -> bool:
-    return uri.startswith(("sqlite:", "file:", "/")) or "://" not in uri
-
-
-def ensure_sqlite_dir(uri: str) -> None:
-    """A sqlite store's folder must exist before the first connection."""
-    if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+def is_server(uri: str) -> bool:
+    """An MLflow tracking server (it places artifacts itself); else a store this process writes (sqlite, a
+    database, a folder), whose experiments get artifact_root."""
+    return uri.startswith(("http://", "https://", "databricks"))
 
 
 def client(t: TrackingConfig):
+    """A client of the store. A sqlite store is created (tables, migrations) under its file's lock: processes
+    starting together on a fresh runs/ create it once. A server that does not answer is a ConfigError naming
+    tracking.uri."""
     from mlflow.tracking import MlflowClient
 
     uri = tracking_uri(t)
-    ensure_sqlite_dir(uri)
-    return MlflowClient(tracking_uri=uri)
+    path = sqlite_file(uri)
+    if path is None:
+        check_server(uri)
+        return MlflowClient(tracking_uri=uri)
+    with locked(path, f"creating the MLflow store {path}"):
+        return MlflowClient(tracking_uri=uri)  # opens the store: creates or migrates its tables
+
+
+def check_server(uri: str, timeout_s: float = 10.0) -> None:
+    """An http(s) tracking URI answers MLflow's /health, else a ConfigError naming tracking.uri (MLflow's own
+    client would retry for minutes first)."""
+    import urllib.error
+    import urllib.request
+
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as r:
+            if r.status == 200:
+                return
+            why = f"/health answered {r.status}"
+    except urllib.error.HTTPError as e:
+        why = f"/health answered {e.code}"
+    except (OSError, ValueError) as e:
+        why = str(getattr(e, "reason", e))
+    raise ConfigError(f"tracking.uri: no MLflow server answers at {uri} ({why}); start one (`mlflow server "
+                      "--host 0.0.0.0 --port 5000 ...`) or set tracking.enabled=false")
 
 
 def ensure_experiment(c, t: TrackingConfig, name: str) -> str:
-    """The experiment's id, created on first use: under artifact_root for local stores (a server places its own)."""
+    """The experiment's id, created on first use: under artifact_root unless a server places its artifacts."""
     from mlflow.exceptions import MlflowException
 
     exp = c.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
     location = None
-    if is_local(tracking_uri(t)) or t.artifact_root:
+    if not is_server(tracking_uri(t)) or t.artifact_root:
         location = (artifact_root(t) / name).as_uri()
     try:
         return c.create_experiment(name, artifact_location=location)
@@ -259,7 +287,8 @@ def ui(port: int = 5000, uri: str = "", artifacts: str = "") -> int:
 
     t = TrackingConfig(uri=uri, artifact_root=artifacts)
     store = tracking_uri(t)
-    ensure_sqlite_dir(store)
+    if sqlite_file(store) is not None:
+        client(t)  # the store created under its lock, not by the UI racing a run that creates it too
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", store,
            "--default-artifact-root", artifact_root(t).as_uri(), "--host", "127.0.0.1", "--port", str(port)]
     print(f"MLflow UI for {store} on http://127.0.0.1:{port} (Ctrl-C stops it)", flush=True)

@@ -22,6 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from hybrid.config.schema import PolicyConfig
+from hybrid.locking import write_atomic
 from hybrid.plan.resolve import check
 from tuner.config import flat_params
 
@@ -54,7 +55,7 @@ def write(conf_dir: Path, hw: str, policy: PolicyConfig, header: list[str]) -> P
     # what we wrote reads back as the same policy
     if OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PolicyConfig), yaml.safe_load(text))) != policy:
         raise RuntimeError(f"{path}: the written policy does not read back as the tuned one")
-    path.write_text(text)
+    write_atomic(path, text)  # tuners finishing together: one whole file, never two interleaved
     return path
 
 
@@ -79,7 +80,7 @@ def select_in_hw_profile(conf_dir: Path, hw: str) -> tuple[Path, bool]:
         block = (f"# The tuned policy for this machine (written by `python -m tuner +hw={hw}`): conf/policy/{hw}.yaml\n"
                  f"defaults:\n{line}\n")
         new = "".join(lines[:i]) + block + "".join(lines[i:])
-    path.write_text(new)
+    write_atomic(path, new)
     return path, True
 
 

@@ -10,7 +10,9 @@ the study's user attributes and used by every trial.
 Trials that count toward `tuner.n_trials`: complete ones (feasible or not) and those that failed on their own
 (crash, deadline). A trial whose worker died (killed tuner, lost machine) stops sending heartbeats; after
 `tuner.grace_s` it is failed and re-queued with the same parameters (Optuna's RetryHeartbeatStaleTrialCallback),
-and does not count. A trial interrupted by Ctrl-C / SIGTERM is re-queued by the next start.
+and does not count. A trial interrupted by Ctrl-C / SIGTERM is re-queued by the next start. Tuners sharing a study
+take trials one at a time under the storage's lock and only while it lacks some: together they run exactly
+`tuner.n_trials` (tuner/storage.py, SharedStudy).
 
 Here the loop (`Tuner`); the storage and sampler: tuner/storage.py; the cutoff's measurement: tuner/cutoff.py; a
 trial's MLflow params and config and the written policy: tuner/report.py.
@@ -34,10 +36,9 @@ from tuner import plots, space as sp, trial as trial_run
 from tuner.config import Cutoff, TuneConfig
 from tuner.cutoff import CUTOFF, measured_crossover
 from tuner.report import SHOWN, fmt, parent_params, trial_config, trial_params, write_policy
-from tuner.storage import open_study, redact, storage_url
+from tuner.storage import StudyFull, counted, open_study, redact, storage_url
 from tuner.track import StudyTracker
 
-COUNTED_FAILURES = ("crash", "deadline")
 # Overrides the tuner sets itself for the trial worker (the user's own are dropped from what it gets).
 OWN_KEYS = ("mode", "bench", "output")
 WORKER_OWN = ["mode=bench", "bench=slo", "tracking.enabled=false"]
@@ -61,13 +62,6 @@ def trial_overrides(task_overrides: list[str], space: dict) -> list[str]:
             continue
         out.append(o)
     return out
-
-
-def counted(trials) -> int:
-    from optuna.trial import TrialState
-
-    return sum(1 for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
-               or (t.state == TrialState.FAIL and t.user_attrs.get("failure") in COUNTED_FAILURES))
 
 
 def feasible(t) -> bool:
@@ -242,6 +236,8 @@ class Tuner:
 
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own progress lines instead
         t = self.cfg.tuner
+        if self.cfg.tracking.enabled:  # a server that does not answer: an error now, not a study without records
+            tracking.check_server(tracking.tracking_uri(self.cfg.tracking))
         study = open_study(self.cfg, self.name, self.url, self.space, self.directions,
                            self.machine.physical_cores)
         done = counted(study.get_trials(deepcopy=False))
@@ -259,6 +255,8 @@ class Tuner:
                 self.set_cutoff(study)
                 study.optimize(self.objective, n_trials=t.n_trials - done, catch=(TrialFailed,),
                                callbacks=[self.after_trial])
+        except StudyFull:  # the other tuners ran the trials still missing
+            pass
         except KeyboardInterrupt:
             status = "KILLED"
             print(f"interrupted: {counted(study.get_trials(deepcopy=False))}/{t.n_trials} trials done; run the same "

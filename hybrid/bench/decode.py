@@ -18,10 +18,17 @@ weight, so its bound is all of them: `all_bytes_per_token` (bounds.cpu_decode_by
 the read roof measured in the same run (`decode_vs_all_bytes_bound`), and `weight_read_gbs` what the step reached.
 `attention_per_layer` is attention's time per layer against reading that layer's attention weights and the
 cache at the roof (`bound_ms`, `vs_bound`).
+
+Under policy.cpu.numa (docs/design/numa.md): each node's read roof, local and remote (`node_read_roof`), and per
+context the routed-expert bytes each node's threads read in a step against each node's local roof
+(`node_bytes_per_step`). `bench.numa` runs the whole benchmark at each value of policy.cpu.numa, the model placed
+anew for each, every record carrying its `numa`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import gc
 import statistics
 import sys
 import time
@@ -30,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybrid.bench import bounds
+from hybrid.bench import bounds, numa
 from hybrid.bench.gpu_profile import gpu_times
 from hybrid.bench.records import Record, Records
 from hybrid.engine.build import build
@@ -134,6 +141,20 @@ def run(settings) -> list[Record]:
                           f"holds policy.kv.max_context={s.policy.kv.max_context}: raise policy.kv.max_context")
     if cfg.batch > s.policy.kv.max_batch:
         raise ConfigError(f"bench.batch={cfg.batch} exceeds policy.kv.max_batch={s.policy.kv.max_batch}")
+    if not cfg.numa:
+        return _run(s, cfg)
+    records, plans = [], {}
+    for on in cfg.numa:  # each way on the model placed anew (its experts bound, or not)
+        c = s.policy.cpu
+        way = dataclasses.replace(c, numa=on, numa_simulated=c.numa_simulated if on else 0)
+        got = _run(dataclasses.replace(s, policy=dataclasses.replace(s.policy, cpu=way)), cfg)
+        records += [dataclasses.replace(r, extra={**r.extra, "numa": on}) for r in got]
+        plans[f"numa_{str(on).lower()}"] = got.context["plan"]
+        gc.collect()  # the way's engine and model gone before the next is placed
+    return Records(records, {"plan": plans[f"numa_{str(cfg.numa[0]).lower()}"], "plans": plans})
+
+
+def _run(s, cfg) -> Records:
     engine = build(s, s.hw, progress=sys.stderr.isatty())
     a = engine.model.args
     n_moe, expert_bytes = a.n_moe_layers, bounds.expert_bytes(a)
@@ -141,15 +162,21 @@ def run(settings) -> list[Record]:
     roof = read_roof(cfg.roof_gb, 5, streams)
     print(f"decode on {engine.device}: {n_moe} MoE layers, roof {roof:.1f} GB/s", file=sys.stderr)
     cpu = engine.plan.cpu
+    nodes = numa.node_roofs(cpu, cfg.roof_gb, streams)
     graphable = engine.device.type == "cuda" and cpu.moe_backend == "native" and not cpu.deferred_experts
     modes = ["eager"] + (list(cfg.graph_modes) if graphable else [])
     graphs = {m: engine.decoder(m) for m in modes[1:]}
-    records = [Record("read_roof", roof, "GB/s", extra={"streams": streams})]
+    records = [Record("read_roof", roof, "GB/s", extra={"streams": streams}), *nodes]
     for ctx in cfg.contexts:
         syncs0 = engine.placed.staging.syncs
         times, parts = _context(engine, cfg, ctx)
         records += _records(cfg, ctx, times, parts, roof, expert_bytes, n_moe, a.first_k_dense_replace,
                             (engine.placed.staging.syncs - syncs0) / (cfg.steps + 2), s, a)
+        if cpu.numa and cpu.moe_backend == "native":  # the last step's MoE calls, each node's share of them
+            read = numa.node_bytes(engine.model)
+            records.append(Record("node_bytes_per_step", sum(read), "B", extra={
+                "context": ctx, "batch": cfg.batch, **numa.node_extra(read, numa.local_roofs(nodes),
+                                                                        statistics.median(times))}))
         eager_tpot, experts = statistics.median(times), parts["experts_read"] / len(times)
         for mode, g in graphs.items():
             times, parts = _graphed(engine, cfg, ctx, g)

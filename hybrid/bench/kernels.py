@@ -8,7 +8,12 @@ beside amx: on an AMX CPU, the AMX tiles against the AVX-512 kernel at every tok
 compared with the first. Every record carries its variant (`kernel`), TFLOP/s and GB/s.
 
 Cold weights: every call reads a different matrix from a pool far larger than the last-level cache, so the
-figures are DRAM figures. Legend: M tokens, N output rows, K input dim (DeepSeek-V3: gate/up 2048x7168, down
+figures are DRAM figures.
+
+Under policy.cpu.numa (docs/design/numa.md) each node's read roof from its own and the other nodes' memory
+(`node_read_roof`, hybrid/bench/numa.py), and the MoE layer's experts split across the nodes and bound there as
+placement does, the layer timed on the per-node pools and on one pool over the same memory (`pools`), each node's
+bytes against its local roof. Legend: M tokens, N output rows, K input dim (DeepSeek-V3: gate/up 2048x7168, down
 7168x2048; a layer has 256 experts, top-8).
 """
 from __future__ import annotations
@@ -18,12 +23,12 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
-from hybrid.bench import bounds
+from hybrid.bench import bounds, numa
 from hybrid.bench.records import Record
 from hybrid.bench.timing import best_per_call, calls_for
 from hybrid.engine.build import plan_for
@@ -32,7 +37,10 @@ from hybrid.kernels.dispatch import selected
 from hybrid.kernels.gemm import gemm
 from hybrid.kernels.membw import calibrate, read_roof
 from hybrid.kernels.moe import CpuMoE
-from hybrid.kernels.thread_pool import threads
+from hybrid.kernels.numa import bind_tensor
+from hybrid.kernels.thread_pool import set_groups, set_threads, threads
+from hybrid.placement.numa import expert_nodes
+from hybrid.plan.plan import CpuPlan
 from hybrid.quant.fp8 import dequantize, scale_shape
 from hybrid.weights.synthetic import fp8_codes
 
@@ -136,7 +144,23 @@ def _torch_records(cfg, roof: Roof, label: str, n: int, k: int, pool_gb: float, 
     return out
 
 
-def _moe_records(cfg, roof: Roof, kernels: list[str], rng) -> list[Record]:
+def _pools(cpu: Optional[CpuPlan]) -> dict:
+    """The ways the MoE layer is timed: the pool as configured; under NUMA also one plain pool of as many threads
+    (each way sets the pool; the configured one comes last, so the pool is left as it was)."""
+    def per_node():
+        set_groups(cpu.numa_nodes, cpu.numa_threads)
+        set_threads(cpu.threads)
+
+    def one_pool():
+        set_groups([], [])
+        set_threads(cpu.threads)
+    return {"one_pool": one_pool, "per_node": per_node} if cpu and cpu.numa else {None: lambda: None}
+
+
+def _moe_records(cfg, roof: Roof, kernels: list[str], rng, cpu: Optional[CpuPlan] = None,
+                 roofs: Sequence[float] = ()) -> list[Record]:
+    """The MoE layer per token count and kernel; under cpu.numa its experts on the nodes (bound where they are the
+    machine's), timed on the per-node pools and on one pool, each node's bytes against its local roof (`roofs`)."""
     expert_bytes = 3 * cfg.hidden * cfg.inter
     fits = int(0.6 * _memory_gb() * GB / expert_bytes)
     experts = min(cfg.moe_experts or cfg.experts, fits)
@@ -146,8 +170,13 @@ def _moe_records(cfg, roof: Roof, kernels: list[str], rng) -> list[Record]:
     gate = [fp8_codes(rng, (i, d)) for _ in range(experts)]
     up = [fp8_codes(rng, (i, d)) for _ in range(experts)]
     down = [fp8_codes(rng, (d, i)) for _ in range(experts)]
-    op = CpuMoE(gate, up, down, [_scales(rng, i, d) for _ in gate], [_scales(rng, i, d) for _ in up],
-                [_scales(rng, d, i) for _ in down])
+    scales = [[_scales(rng, i, d) for _ in gate], [_scales(rng, i, d) for _ in up], [_scales(rng, d, i) for _ in down]]
+    on = cpu is not None and cpu.numa
+    nodes = expert_nodes(experts, cpu.numa_split) if on else None
+    for e, node in enumerate(nodes if on and not cpu.numa_simulated else []):  # as placement binds them
+        for t in (gate[e], up[e], down[e], *(s[e] for s in scales)):
+            bind_tensor(t, node)
+    op = CpuMoE(gate, up, down, *scales, nodes=nodes)
     out = []
     for t in cfg.moe_tokens:
         x = torch.randn(t, d).to(torch.bfloat16)
@@ -160,26 +189,33 @@ def _moe_records(cfg, roof: Roof, kernels: list[str], rng) -> list[Record]:
             t0 = time.perf_counter()
             op(x, ids, w, res)
             sec = time.perf_counter() - t0
-            for k, v in (("time", sec), ("waiting", op.wait_s), ("end_idle", op.tail_s), *op.stage_s.items()):
+            for k, v in (("time", sec), ("calls", 1), ("waiting", op.wait_s), ("end_idle", op.tail_s),
+                         *op.stage_s.items(), *((f"node{n}", b) for n, b in enumerate(op.node_bytes) if on)):
                 spent[k] = spent.get(k, 0.0) + v
         calls = [functools.partial(call, ids) for ids in routes]
         read = sum(len(ids.unique()) for ids in routes) / len(routes) * expert_bytes
         flops = 3 * bounds.gemm_flops(t * cfg.top_k, i, d)  # gate, up, down: each [t*top_k, d] x [d, i] or back
 
-        def measure(t=t, calls=calls, read=read, flops=flops, spent=spent, kernel="auto") -> Record:
+        def measure(t=t, calls=calls, read=read, flops=flops, spent=spent, kernel="auto", pools=None) -> Record:
             op.kernel = kernel
             sec = best_per_call(calls, cfg.repeats)
             # the threads' time waiting for another's task, idle at the layer's end and in each stage of the tasks
             # (prep, gate_up, silu, down, sums: CpuMoE.stage_s), as shares of threads x time
+            made = spent.pop("calls")
+            by_node = [spent.pop(k) / made for k in sorted((k for k in spent if k.startswith("node")),
+                                                           key=lambda k: int(k[4:]))]
             total = threads() * spent.pop("time")
             shares = {k: round(v / total, 4) for k, v in spent.items()}
             spent.clear()
+            per_node = numa.node_extra(by_node, roofs, sec) if pools == "per_node" else {}
             return Record("moe_layer", read / sec / GB, "GB/s", None, t, None, None, "fp8",
                           {"time_ms": sec * 1e3, "tflops": flops / sec / 1e12, "experts": experts,
                            "top_k": cfg.top_k, "expert_mb_read": read / 1e6, "global_syncs": op.global_syncs,
-                           **shares, "kernel": kernel})
+                           **shares, "kernel": kernel, **({"pools": pools} if pools else {}), **per_node})
         for kernel in kernels:
-            out.append(roof.bracket(functools.partial(measure, kernel=kernel)))
+            for pools, use in _pools(cpu).items():
+                use()
+                out.append(roof.bracket(functools.partial(measure, kernel=kernel, pools=pools)))
     return out
 
 
@@ -193,14 +229,16 @@ def kernels_timed(cpu_kernels: list[str], configured: str) -> list[str]:
 
 def run(settings) -> list[Record]:
     cfg = settings.bench
-    kernels = kernels_timed(cfg.cpu_kernels, plan_for(settings, settings.hw).cpu.kernel)
+    cpu = plan_for(settings, settings.hw).cpu
+    kernels = kernels_timed(cfg.cpu_kernels, cpu.kernel)
     rng = np.random.default_rng(settings.seed)
     pool_gb = cfg.pool_gb or min(4.0, max(1.0, _memory_gb() / 12))
     roof = Roof(pool_gb)
     _log(f"kernels {', '.join(kernels)}; measuring the read roof over {pool_gb:.1f} GB ...")
-    records = _gemv_records(cfg, roof, kernels, pool_gb, rng)
+    nodes = numa.node_roofs(cpu, pool_gb, roof.streams)
+    records = nodes + _gemv_records(cfg, roof, kernels, pool_gb, rng)
     if cfg.moe_tokens:
-        records += _moe_records(cfg, roof, kernels, rng)
+        records += _moe_records(cfg, roof, kernels, rng, cpu, numa.local_roofs(nodes))
     roof_rec = Record("read_roof", roof.gbs, "GB/s", extra={
         "min": min(roof.readings), "readings": len(roof.readings), "buffer_gb": pool_gb, "streams": roof.streams,
         "by_streams": {s: round(v, 1) for s, v in roof.calibration.items()}})

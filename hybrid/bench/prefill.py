@@ -26,6 +26,7 @@ from hybrid.config.compose import RUNS_DIR
 from hybrid.engine.build import build, warm_up_experts
 from hybrid.errors import ConfigError
 from hybrid.kernels import fp8_linear
+from hybrid.locking import unique_path
 
 
 def h2d_rate(gigabytes: float = 1.0) -> float:
@@ -167,8 +168,7 @@ def run(settings) -> list[Record]:
     records += _tile_sweep(engine, longest, cfg.fp8_tiles)
     trace = None
     if cfg.trace:
-        trace = RUNS_DIR / "bench" / f"prefill-{time.strftime('%Y%m%d-%H%M%S')}.trace.json.gz"
-        trace.parent.mkdir(parents=True, exist_ok=True)
+        trace = unique_path(RUNS_DIR / "bench", f"prefill-{time.strftime('%Y%m%d-%H%M%S')}", ".trace.json.gz")
     t, busy, table = gpu_times(lambda: _ttft(engine, longest), trace=trace)
     print(f"stream-loading prefill of {longest} tokens under the profiler ({t:.3f} s), top GPU rows:\n{table}",
           file=sys.stderr)

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from hybrid.locking import unique_path
+
 
 class Records(list):
     """A benchmark's records and what the run was configured as (`context`, e.g. the engine's resolved plan), which
@@ -42,8 +44,9 @@ class Record:
 
 
 def save(records: list[Record], directory: Path, bench: str, context: dict[str, Any]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{bench}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    """The records as JSON under `directory`, named by the bench and the second (`-2`, ... when another process
+    saved in the same second)."""
+    path = unique_path(directory, f"{bench}-{time.strftime('%Y%m%d-%H%M%S')}", ".json")
     path.write_text(json.dumps({"bench": bench, **context, "records": [r.as_json() for r in records]}, indent=1))
     return path
 

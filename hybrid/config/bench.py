@@ -61,6 +61,7 @@ class DecodeBench:
     batch: int = 1
     roof_gb: float = 2.0  # buffer of the read roof that bounds decode
     graph_modes: List[str] = field(default_factory=lambda: ["hostfn", "segments"])  # timed beside eager (GPU)
+    numa: List[bool] = field(default_factory=list)  # policy.cpu.numa at each, the model placed anew; []: the policy's
 
     def __post_init__(self) -> None:
         _at_least(1, contexts=self.contexts, steps=self.steps, batch=self.batch)

@@ -17,6 +17,8 @@ from hybrid.errors import ConfigError
 PROJECT_DIR = Path(__file__).resolve().parents[2]
 CONF_DIR = Path(os.environ.get("HYBRID_CONF_DIR", PROJECT_DIR / "conf"))  # another conf/ tree: tests, the tuner's
 RUNS_DIR = Path(os.environ.get("HYBRID_RUNS_DIR", PROJECT_DIR / "runs"))
+# hydra.run.dir ends in the process id (conf/config.yaml): processes started in the same second get their own.
+OmegaConf.register_new_resolver("hybrid.pid", os.getpid, replace=True)
 
 
 def compose(overrides: Sequence[str] = ()) -> DictConfig:

@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from hybrid.errors import CheckpointError
+from hybrid.locking import locked
 from hybrid.model.args import ModelArgs
 from hybrid.model.transformer import Transformer
 from hybrid.quant import fp8, int4
@@ -115,7 +116,14 @@ def _shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
 
 
 def write_checkpoint(dst: Path, spec: dict, seed: int = 0, progress: bool = True) -> Path:
-    """Write a generated checkpoint to `dst` (atomically: a partial one never looks complete)."""
+    """Write a generated checkpoint to `dst` (atomically: a partial one never looks complete; under `dst`'s lock, so
+    processes writing the same one take turns)."""
+    with locked(dst, f"writing {dst}"):
+        return _write(dst, spec, seed, progress)
+
+
+def _write(dst: Path, spec: dict, seed: int, progress: bool) -> Path:
+    """write_checkpoint, its lock held: the `.partial` directory is this process's alone."""
     cfg = hf_config(spec)
     args = ModelArgs.from_hf_config(cfg, "synthetic config")
     specs = tensor_specs(args, seed)
@@ -163,9 +171,13 @@ def checkpoint_dir(root: Path, name: str, spec: dict, seed: int) -> Path:
 
 
 def ensure_checkpoint(root: Path, name: str, spec: dict, seed: int = 0) -> Path:
-    """The generated checkpoint for (spec, seed) under `root`, written on first use."""
+    """The generated checkpoint for (spec, seed) under `root`, written on first use. Processes starting together
+    generate it once: the first under the directory's lock, the others wait for it and then read it."""
     dst = checkpoint_dir(root, name, spec, seed)
-    if not (dst / "config.json").exists():
-        print(f"generating checkpoint '{name}' under {dst}", file=sys.stderr)
-        write_checkpoint(dst, spec, seed, progress=sys.stderr.isatty())
+    if (dst / "config.json").exists():  # written last (renamed into place whole)
+        return dst
+    with locked(dst, f"generating checkpoint '{name}'"):
+        if not (dst / "config.json").exists():
+            print(f"generating checkpoint '{name}' under {dst}", file=sys.stderr)
+            _write(dst, spec, seed, progress=sys.stderr.isatty())
     return dst

@@ -1,11 +1,14 @@
 """The decode benchmark without a GPU: layers clocked one by one, what runs outside them counted once."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from hybrid.bench.decode import project_cpu
 from hybrid.config.compose import compose, to_settings
 from hybrid.hw.detect import detect
+from hybrid.kernels import thread_pool
 from hybrid.engine.build import plan_for
 from hybrid.run import bench
 
@@ -32,3 +35,26 @@ def test_cpu_records_split_the_step_by_layer():
     assert 0 < attention["value"] < tpot_ms and attention["bound_ms"] > 0, "attention per layer over its roof bound"
     assert attention["vs_bound"] == pytest.approx(attention["value"] / attention["bound_ms"])
     assert attention["cache_bytes"] > 0 and attention["weight_bytes"] > 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two CPU groups need two CPUs")
+def test_numa_on_and_off_in_one_run():
+    """bench.numa=[true, false] on two simulated nodes: each way on its own engine, every record tagged; with NUMA
+    each node's local and remote roofs and the expert bytes each node read in a step."""
+    s = to_settings(compose(["+hw=cpu_only", "mode=bench", "bench=decode", "bench.contexts=[16]", "bench.steps=2",
+                             "bench.roof_gb=0.05", "policy.kv.max_context=64", "tracking.enabled=false",
+                             "policy.cpu.threads=4", "policy.cpu.numa_simulated=2", "bench.numa=[true,false]"]))
+    try:
+        report = bench(s, "cpu_only", detect(), plan_for(s, s.hw).cpu.kernel)
+    finally:
+        thread_pool.set_groups([], [])
+    records = report["records"]
+    assert {r["numa"] for r in records} == {True, False}
+    assert report["plans"]["numa_true"]["cpu.numa_threads"] == (2, 2) and not report["plans"]["numa_false"]["cpu.numa"]
+    roofs = [r for r in records if r["name"] == "node_read_roof"]
+    assert sorted((r["reader_node"], r["memory_node"]) for r in roofs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["numa"] and r["value"] > 0 and r["local"] == (r["reader_node"] == r["memory_node"]) for r in roofs)
+    step = [r for r in records if r["name"] == "node_bytes_per_step"]
+    assert len(step) == 1 and step[0]["numa"] and len(step[0]["node_mb"]) == 2 and step[0]["value"] > 0
+    assert step[0]["node_bound_ms"] > 0
+    assert sum(r["name"] == "tpot" for r in records) == 2

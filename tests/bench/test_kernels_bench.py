@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from hybrid.bench import kernels
 from hybrid.config.bench import KernelsBench
+from hybrid.kernels import thread_pool
 from hybrid.kernels.dispatch import available
+from hybrid.plan.plan import CpuPlan
+from tests.kernels.test_moe import CPUS, HALVES, two_nodes
 
 
 class FixedRoof:
@@ -29,6 +33,27 @@ def test_moe_records_carry_time_and_the_threads_shares():
         shares = [n[k] for k in ("waiting", "end_idle", "prep", "gate_up", "silu", "down", "sums")]
         assert all(0 <= s <= 1 for s in shares) and sum(shares) <= 1.01, n
         assert n["gate_up"] > 0 and n["down"] > 0, n
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="two CPU groups need two CPUs")
+def test_moe_records_on_simulated_nodes_time_both_pools_and_each_nodes_bytes():
+    """Under NUMA (simulated: two CPU groups) the layer is timed on the per-node pools and on one pool; the per-node
+    records carry each node's MB (the layer's experts' bytes between them) against the nodes' local roofs; the pool
+    is left in its node groups."""
+    cpu = CpuPlan(threads=4, kernel="auto", moe_backend="native", gemm_tile_tokens=64, amx_min_tokens=4,
+                  batch_invariant=False, deferred_experts=0, lm_head="bf16", amx_overlap=True, numa=True,
+                  numa_simulated=2, numa_nodes=tuple(map(tuple, HALVES)), numa_threads=(2, 2), numa_split=(0.5, 0.5))
+    cfg = KernelsBench(hidden=256, inter=128, moe_experts=8, top_k=2, moe_tokens=[5], repeats=1)
+    with two_nodes():
+        records = kernels._moe_records(cfg, FixedRoof(), [available()[0]], np.random.default_rng(0), cpu, [4.0, 5.0])
+        assert thread_pool.groups() == HALVES
+    assert [r.extra["pools"] for r in records] == ["one_pool", "per_node"]
+    one, per_node = (r.extra for r in records)
+    assert "node_mb" not in one and len(per_node["node_mb"]) == 2
+    mb = sum(per_node["node_mb"])
+    assert 0.999 * per_node["expert_mb_read"] <= mb <= 1.1 * per_node["expert_mb_read"], per_node  # + FP8 scales
+    want = max(b / r for b, r in zip(per_node["node_mb"], (4.0, 5.0)))  # MB over GB/s: ms
+    assert per_node["node_bound_ms"] == pytest.approx(want, rel=1e-3)
 
 
 def test_plot_draws_each_kernel_beside_its_bound(tmp_path, monkeypatch):

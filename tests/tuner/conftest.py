@@ -6,6 +6,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,8 @@ FAST = ["+hw=cpu_only", "model=tiny", "workload.requests=4", "workload.prompt_to
         "workload.output_tokens=[2,6]", "workload.concurrency=2", "bench.prompt_tokens=16", "bench.new_tokens=4",
         "bench.repeats=1", "bench.roof_gb=0"]
 # Only knobs the worker changes without loading the model again: one worker for the whole study.
-NO_RELOAD = ["~tuner.spaces.cpu_only.cpu.moe_backend", "~tuner.spaces.cpu_only.cpu.kernel"]
+NO_RELOAD = ["~tuner.spaces.cpu_only.cpu.moe_backend", "~tuner.spaces.cpu_only.cpu.kernel",
+             "~tuner.spaces.cpu_only.cpu.numa"]
 # Trials through tests/tuner/faulty_bench.py: a fault injected where HYBRID_TEST_INJECT_FAULT says, else the worker.
 FAULTY = f"tuner.trial_module={MODULE}"
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,3 +82,24 @@ def alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
     return state != "Z"
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL server for the session; `database(server)` makes a fresh database and returns its URL."""
+    pgserver = pytest.importorskip("pgserver", reason="pgserver (the test extra) starts PostgreSQL")
+    pytest.importorskip("psycopg", reason="psycopg (the test extra) is the driver")
+    home = tempfile.mkdtemp(prefix="pg", dir="/tmp")  # short: the server's socket path must fit 107 bytes
+    try:
+        server = pgserver.get_server(home, cleanup_mode="delete")
+    except Exception as e:  # noqa: BLE001 - no PostgreSQL here: skip, naming why
+        shutil.rmtree(home, ignore_errors=True)
+        pytest.skip(f"PostgreSQL (pgserver) does not start here: {type(e).__name__}: {e}")
+    yield server
+    server.cleanup()
+
+
+def database(server) -> str:
+    name = f"t{uuid.uuid4().hex[:12]}"
+    server.psql(f"CREATE DATABASE {name};")
+    return server.get_uri(name).replace("postgresql://", "postgresql+psycopg://", 1)

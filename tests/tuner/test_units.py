@@ -113,15 +113,15 @@ def test_space_knobs_join_by_path(tune_cfg):
                    "+tuner.spaces.cpu_only.kv.max_batch={type: int, low: 6, high: 8}")
     space = sp.resolve(cfg, False, 2, ["avx2"])
     assert space["prefill.ring_len"]["choices"] == [16, 64] and space["kv.max_batch"]["high"] == 8
-    assert sp.reload_knobs(cfg, False, rebuildable()) == {"cpu.kernel", "cpu.moe_backend", "kv.max_batch"}, \
-        "untagged: as the engine says"
+    assert sp.reload_knobs(cfg, False, rebuildable()) == {"cpu.kernel", "cpu.moe_backend", "cpu.numa",
+                                                          "kv.max_batch"}, "untagged: as the engine says"
 
 
 def test_warm_start_is_the_current_policy(tune_cfg):
     cfg = tune_cfg("policy.cpu.gemm_tile_tokens=16", "policy.cpu.moe_backend=torch")
     space = sp.resolve(cfg, False, 2, ["avx512_bf16", "avx2", "generic"])
     assert sp.warm_start(cfg, space, cores=2) == {"cpu.threads": 2, "cpu.gemm_tile_tokens": 16,
-                                                  "cpu.moe_backend": "torch", "cpu.kernel": None}
+                                                  "cpu.moe_backend": "torch", "cpu.kernel": None, "cpu.numa": None}
     cfg = tune_cfg("policy.cpu.gemm_tile_tokens=7")  # outside the space: left to the sampler
     assert "cpu.gemm_tile_tokens" not in sp.warm_start(cfg, space, cores=2)
 
@@ -235,8 +235,8 @@ def test_a_gpu_profile_gets_the_gpu_space(tune_cfg):
     assert space["cpu.threads"]["high"] == 16 and space["decode.batch_cap"]["high"] <= gpu.policy.kv.max_batch
     assert sp.reload_knobs(gpu, True, rebuildable()) == set(), "a GPU trial never reloads the model"
     assert set(sp.resolve(cpu, bool(cpu.hw.gpus), 2, ["avx2"])) == {"cpu.threads", "cpu.gemm_tile_tokens",
-                                                                     "cpu.moe_backend", "cpu.kernel"}
-    assert sp.reload_knobs(cpu, False, rebuildable()) == {"cpu.kernel", "cpu.moe_backend"}
+                                                                     "cpu.moe_backend", "cpu.kernel", "cpu.numa"}
+    assert sp.reload_knobs(cpu, False, rebuildable()) == {"cpu.kernel", "cpu.moe_backend", "cpu.numa"}
     bad = tune_cfg("tuner.spaces.cpu_only.cpu.kernel.reload=false")
     with pytest.raises(Exception, match="cannot change it without placing the model again"):
         sp.reload_knobs(bad, False, rebuildable())
