@@ -4,9 +4,10 @@
 
 The ways are the FP8 weights' (`policy.gpu.fp8_gemm`, the caller's `Fp8Gemm`: backend, row threshold, tiles,
 pad_rows), so one policy chooses for both:
-- `triton`: a Triton GEMM that reads the packed words and scales, dequantises each [BK, BN] tile in registers
-  (q·s formed in FP32, one rounding to the activations' dtype: the weights compressed-tensors dequantises to) and
-  multiplies it with one `tl.dot` over the whole BK step, FP32 accumulation. Not post-scaled per group as the CPU
+- `triton`: a Triton GEMM that reads the packed words and scales once each, dequantises each [BN, BK] tile in
+  registers (the nibbles interleaved back into K order; q·s formed in FP32, one rounding to the activations' dtype:
+  the weights compressed-tensors dequantises to) and multiplies it with one `tl.dot` over the whole BK step, FP32
+  accumulation. Not post-scaled per group as the CPU
   kernels are: a group is 32 inputs, so post-scaling would split each step into BK/32 shallow products and rescale
   the [BM, BN] accumulator after each, on the CUDA cores; dequantising first keeps one full-depth product per step,
   and the per-expert and grouped forms of stream-loading prefill then multiply by the same BF16 weights. BF16
@@ -76,6 +77,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, k: int, g
     y_MN = out if out is not None and out.stride(-1) == 1 else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         t = gemm.tile_for(m) if x.dtype == torch.bfloat16 else FP32_TILE
+        if t.bk % group:
+            raise ValueError(f"int4_linear: a tile's BK ({t.bk}) must hold whole groups of {group}")
         grid = (triton.cdiv(m, t.bm), triton.cdiv(n, t.bn))
         _int4_mm[grid](x_MK, packed, scale, y_MN, m, n, k, x_MK.stride(0), packed.stride(0), scale.stride(0),
                        y_MN.stride(0), GROUP=group, BM=t.bm, BN=t.bn, BK=t.bk, IEEE=x.dtype == torch.float32,
@@ -133,12 +136,24 @@ def warm_up(shapes, device, gemm: Fp8Gemm = DEFAULT_GEMM, group: int = int4.GROU
 
 if triton is not None:
     @triton.jit
-    def _weights(q_ptr, s_ptr, n, k, mask, sqn, ssn, GROUP: tl.constexpr):
-        """W[n, k] in FP32 (q·s, exact) for broadcast index tensors n and k; zero where not `mask`."""
-        words = tl.load(q_ptr + n * sqn + k // 8, mask=mask, other=0)
-        q = ((words >> ((k % 8) * 4)) & 0xF) - 8
-        s = tl.load(s_ptr + n * ssn + k // GROUP, mask=mask, other=0.0)
-        return q.to(tl.float32) * s.to(tl.float32)
+    def _tile(q_ptr, s_ptr, rn, kb, N, K, sqn, ssn, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """W[rn, kb·BK : (kb + 1)·BK] in FP32 (q·s, exact) as [BN, BK], zero outside [N, K]: each word and scale
+        loaded once, the words' 8 nibbles interleaved back into K order in registers."""
+        rw = kb * (BK // 8) + tl.arange(0, BK // 8)
+        rg = kb * (BK // GROUP) + tl.arange(0, BK // GROUP)
+        rows = rn[:, None] < N
+        words = tl.load(q_ptr + rn[:, None] * sqn + rw[None, :], mask=rows & (rw[None, :] < tl.cdiv(K, 8)), other=0)
+        scales = tl.load(s_ptr + rn[:, None] * ssn + rg[None, :], mask=rows & (rg[None, :] < tl.cdiv(K, GROUP)),
+                         other=0.0)
+        n0, n1, n2, n3 = words & 0xF, (words >> 4) & 0xF, (words >> 8) & 0xF, (words >> 12) & 0xF
+        n4, n5, n6, n7 = (words >> 16) & 0xF, (words >> 20) & 0xF, (words >> 24) & 0xF, (words >> 28) & 0xF
+        # interleave(a, b) puts a at even and b at odd places: three levels leave nibble j of word w at 8·w + j
+        even = tl.interleave(tl.interleave(n0, n4), tl.interleave(n2, n6))
+        odd = tl.interleave(tl.interleave(n1, n5), tl.interleave(n3, n7))
+        q = (tl.interleave(even, odd) - 8).to(tl.float32)
+        w = tl.reshape(tl.reshape(q, (BN, BK // GROUP, GROUP)) * scales.to(tl.float32)[:, :, None], (BN, BK))
+        kk = kb * BK + tl.arange(0, BK)
+        return tl.where(rows & (kk[None, :] < K), w, 0.0)
 
     @triton.jit(do_not_specialize=["M"])
     def _int4_mm(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, sxm, sqn, ssn, sym, GROUP: tl.constexpr,
@@ -151,8 +166,7 @@ if triton is not None:
             kk = kb * BK + rk
             a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
                         other=0.0)
-            w = _weights(q_ptr, s_ptr, rn[None, :], kk[:, None], (rn[None, :] < N) & (kk[:, None] < K), sqn, ssn,
-                         GROUP).to(x_ptr.dtype.element_ty)  # [BK, BN]
+            w = tl.trans(_tile(q_ptr, s_ptr, rn, kb, N, K, sqn, ssn, GROUP, BN, BK).to(x_ptr.dtype.element_ty))
             if IEEE:
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:
@@ -165,7 +179,8 @@ if triton is not None:
                       BK: tl.constexpr):
         """One BN x BK block of W per program: q·s (FP32 product, one rounding to w's dtype)."""
         rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
-        kk = tl.program_id(1) * BK + tl.arange(0, BK)
-        mask = (rn[:, None] < N) & (kk[None, :] < K)
-        w = _weights(q_ptr, s_ptr, rn[:, None], kk[None, :], mask, sqn, ssn, GROUP)
-        tl.store(w_ptr + rn[:, None] * swn + kk[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)
+        kb = tl.program_id(1)
+        kk = kb * BK + tl.arange(0, BK)
+        w = _tile(q_ptr, s_ptr, rn, kb, N, K, sqn, ssn, GROUP, BN, BK)
+        tl.store(w_ptr + rn[:, None] * swn + kk[None, :], w.to(w_ptr.dtype.element_ty),
+                 mask=(rn[:, None] < N) & (kk[None, :] < K))
