@@ -4,13 +4,17 @@ STAMP := build/.installed
 HW ?= cpu_only
 TUNE_ARGS ?=
 PORT ?= 5000
+N ?= 2
+GATEWAY ?= sglang
+POLICY ?= cache_aware
+ARGS ?=
 PYVER ?= 3.12
 WHEELHOUSE ?= wheelhouse
 # Packages the target machine already has, left out of the wheelhouse: SKIP="numpy pandas pyarrow scipy ..."
 SKIP ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test test-all tune ui wheelhouse clean
+.PHONY: help setup run test test-all tune ui replicas wheelhouse clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -36,6 +40,9 @@ tune: $(STAMP) ## tune the policy on this machine: make tune HW=cpu_only TUNE_AR
 
 ui: $(STAMP) ## the MLflow UI of runs/ on http://127.0.0.1:5000 (PORT=...); Ctrl-C stops it and its workers
 	$(PY) -m hybrid.tracking ui --port $(PORT)
+
+replicas: $(STAMP) ## N servers behind a gateway: make replicas N=2 GATEWAY=sglang|vllm|none POLICY=cache_aware ARGS="model=..."
+	$(PY) -m hybrid mode=replicas replicas.count=$(N) replicas.gateway=$(GATEWAY) replicas.policy=$(POLICY) $(ARGS)
 
 wheelhouse: ## wheels of every dependency but torch and triton (a GPU machine's torch brings its own), for an offline machine: make wheelhouse PYVER=3.12 [SKIP="numpy ..."]
 	@mkdir -p $(WHEELHOUSE)

@@ -1,5 +1,6 @@
 """run(cfg): what `python -m hybrid` does, and what the tuner calls: check the machine against the hardware
-profile, build the engine from the configs, run the mode (generate, bench, serve), print and return the report."""
+profile, build the engine from the configs, run the mode (generate, bench, serve, replicas), print and return the
+report."""
 from __future__ import annotations
 
 import json
@@ -33,6 +34,10 @@ def run(cfg: DictConfig) -> dict:
         configure_cpu(plan.cpu)  # benchmarks of the kernels alone build no engine to set them
     if s.mode == Mode.serve:
         return serve(s, hw)  # runs until SIGTERM/Ctrl-C; a server's life is not one tracked run
+    if s.mode == Mode.replicas:
+        from hybrid.serve.replicas import run as run_replicas
+
+        return run_replicas(s)  # servers of this config behind a gateway, until SIGTERM/Ctrl-C
     if s.mode == Mode.bench:
         report = bench(replace(s, hw=hw), hw.name, machine, plan.cpu.kernel)  # the bench builds the engine
     else:

@@ -6,7 +6,8 @@ Records per concurrency (m): TTFT, TPOT and end-to-end latency (value p50; p90, 
 (requests/s, output tokens/s), goodput (requests/s meeting both of the workload's limits) and SLO attainment.
 
 A multi-turn workload (workload.kind multi_turn) runs at its own concurrency with the prefix cache on and off
-instead (hybrid/bench/sessions.py).
+instead (hybrid/bench/sessions.py). With `bench.endpoint` the workload is driven at that endpoint instead of a server
+of our own (hybrid/bench/endpoint.py).
 """
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ def check_fits(s: HybridConfig) -> None:
 def run(s: HybridConfig) -> list[Record]:
     for name in ("httpx", "httpx2"):  # the openai client's HTTP layer (by version): not a line per request
         logging.getLogger(name).setLevel(logging.WARNING)
+    if s.bench.endpoint:
+        from hybrid.bench.endpoint import run as run_endpoint
+
+        return run_endpoint(s)  # one replica, a gateway, another server: nothing built here
     if s.workload.kind == "multi_turn":
         from hybrid.bench.sessions import run as run_sessions
 

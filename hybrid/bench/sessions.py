@@ -86,29 +86,32 @@ def run(s: HybridConfig) -> Records:
     return Records(records_of(runs[True], runs[False], hits, bound), {"plan": plan})
 
 
-def warm_up(base_url: str, model: str, api_key: str, w, vocab_size: int) -> None:
+def warm_up(base_url: str, model: str, api_key: str, w, vocab_size: int, prompts=None) -> None:
     """One request of a first turn's length, of random ids apart from the sessions' (no prefix shared): thread pools,
-    allocations and compiled kernels ready before the measured turns."""
+    allocations and compiled kernels ready before the measured turns. `prompts` (hybrid/serve/prompts.py) None:
+    random ids below vocab_size."""
     import random
 
     from openai import OpenAI
 
-    from hybrid.serve.load import FIRST_TOKEN_ID
+    from hybrid.serve.prompts import Prompts
 
+    prompts = prompts or Prompts.ids(vocab_size)
     rng = random.Random(f"warm-up {w.seed}")
-    prompt = [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(w.system_tokens + w.message_tokens[1])]
+    prompt = prompts.draw(rng, w.system_tokens + w.message_tokens[1])
     with OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600.0) as client:
-        client.completions.create(model=model, prompt=prompt, max_tokens=WARM_UP_TOKENS, temperature=0.0,
-                                  extra_body={"ignore_eos": True})
+        client.completions.create(model=model, prompt=prompts.payload(prompt), max_tokens=WARM_UP_TOKENS,
+                                  temperature=0.0, extra_body={"ignore_eos": True})
 
 
 def counters(url: str, api_key: Optional[str] = None) -> dict[str, float]:
-    """The prefix cache's counters on the server's /metrics (those it has)."""
+    """The prefix cache's counters (those it has) on a server's /metrics (`url`: the server, or its /metrics URL),
+    each summed over its samples (a gateway's aggregate of several servers adds up)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    text = httpx.get(f"{url}/metrics", headers=headers, timeout=30).text
+    text = httpx.get(url if url.endswith("/metrics") else f"{url}/metrics", headers=headers, timeout=30).text
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -156,21 +159,10 @@ def bucket(context: int) -> int:
 def records_of(on, off, hits: dict[bool, dict], bound: Optional[float]) -> list[Record]:
     """The records of the two runs (`on`, `off`: hybrid.serve.sessions.Run)."""
     from hybrid.bench.serve import records_of as aggregates
-    from hybrid.serve.load import _percentiles
 
     out = []
     for label, r in (("on", on), ("off", off)):
-        by: dict[int, list] = {}
-        for t in r.turns:
-            if t.ok:
-                by.setdefault(bucket(t.prompt_tokens), []).append(t)
-        for m in sorted(by):
-            ts = by[m]
-            p = _percentiles([t.ttft_s for t in ts])
-            out.append(Record(f"ttft_cache_{label}_s", p["p50"], "s", None, m, extra={
-                "p90": p["p90"], "mean": p["mean"], "turns": len(ts),
-                "context_mean": sum(t.prompt_tokens for t in ts) / len(ts),
-                "new_tokens_mean": sum(t.new_tokens for t in ts) / len(ts)}))
+        out += ttft_by_context(f"ttft_cache_{label}_s", r.turns)
     top = on.largest()
     if top is not None:
         twin = next((t for t in off.turns if t.ok and (t.session, t.turn) == (top.session, top.turn)), None)
@@ -194,14 +186,35 @@ def records_of(on, off, hits: dict[bool, dict], bound: Optional[float]) -> list[
     return out
 
 
-def turn_table(on_rows: list[dict], off_rows: list[dict], top, bound: Optional[float]) -> str:
-    """Each turn with the cache on and off, and the longest one against its bound."""
-    off = {(r["session"], r["turn"]): r for r in off_rows}
+def ttft_by_context(name: str, turns) -> list[Record]:
+    """TTFT p50 of the completed turns by context bucket (m: the bucket's upper edge)."""
+    from hybrid.serve.load import _percentiles
+
+    by: dict[int, list] = {}
+    for t in turns:
+        if t.ok:
+            by.setdefault(bucket(t.prompt_tokens), []).append(t)
+    out = []
+    for m in sorted(by):
+        ts = by[m]
+        p = _percentiles([t.ttft_s for t in ts])
+        out.append(Record(name, p["p50"], "s", None, m, extra={
+            "p90": p["p90"], "mean": p["mean"], "turns": len(ts),
+            "context_mean": sum(t.prompt_tokens for t in ts) / len(ts),
+            "new_tokens_mean": sum(t.new_tokens for t in ts) / len(ts)}))
+    return out
+
+
+def turn_table(on_rows: list[dict], off_rows: Optional[list[dict]], top, bound: Optional[float]) -> str:
+    """Each turn with the cache on and off (off_rows None: one run, as configured), and the longest one against its
+    bound."""
+    off = {(r["session"], r["turn"]): r for r in off_rows} if off_rows is not None else None
     t = lambda r: f"{r['ttft_s']:.3f}" if r and r["ok"] else "-"  # noqa: E731
-    lines = [f"{'session':>7} {'turn':>4} {'context':>8} {'new':>6} {'TTFT on s':>10} {'TTFT off s':>10}"]
+    lines = [f"{'session':>7} {'turn':>4} {'context':>8} {'new':>6} " +
+             (f"{'TTFT on s':>10} {'TTFT off s':>10}" if off is not None else f"{'TTFT s':>10}")]
     for r in on_rows:
-        lines.append(f"{r['session']:>7} {r['turn']:>4} {r['context_tokens']:>8} {r['new_tokens']:>6} "
-                     f"{t(r):>10} {t(off.get((r['session'], r['turn']))):>10}")
+        lines.append(f"{r['session']:>7} {r['turn']:>4} {r['context_tokens']:>8} {r['new_tokens']:>6} {t(r):>10}" +
+                     (f" {t(off.get((r['session'], r['turn']))):>10}" if off is not None else ""))
     if top is not None:
         line = f"longest: context {top.prompt_tokens}, {top.new_tokens} new tokens, TTFT {top.ttft_s:.3f} s with " \
                f"the cache on"
@@ -212,11 +225,13 @@ def turn_table(on_rows: list[dict], off_rows: list[dict], top, bound: Optional[f
 
 
 def plot(records: list[Record], png: Path) -> Optional[Path]:
-    """TTFT p50 against context (each bucket at its turns' mean context), the cache on and off, and the longest turn
-    with its bound; None for a run without multi-turn records."""
-    series = {flag: sorted((r.extra["context_mean"], r.value) for r in records if r.name == f"ttft_cache_{flag}_s")
-              for flag in ("on", "off")}
-    if not series["on"] and not series["off"]:
+    """TTFT p50 against context (each bucket at its turns' mean context), the cache on and off (or, against an
+    endpoint, as configured), and the longest turn with its bound; None for a run without multi-turn records."""
+    names = {"prefix cache on": "ttft_cache_on_s", "prefix cache off": "ttft_cache_off_s",
+             "as configured": "ttft_context_s"}
+    series = {label: sorted((r.extra["context_mean"], r.value) for r in records if r.name == name)
+              for label, name in names.items()}
+    if not any(series.values()):
         return None
     import matplotlib
 
@@ -224,9 +239,9 @@ def plot(records: list[Record], png: Path) -> Optional[Path]:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for flag in ("on", "off"):
-        if series[flag]:
-            ax.plot(*zip(*series[flag]), marker="o", label=f"prefix cache {flag} (p50)")
+    for label, points in series.items():
+        if points:
+            ax.plot(*zip(*points), marker="o", label=f"{label} (p50)")
     for r in records:
         if r.name == "ttft_longest_s" and r.bound:
             ax.plot([r.m], [r.bound], "k_", ms=14, label="longest turn: its new tokens' prefill")

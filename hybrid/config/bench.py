@@ -122,14 +122,28 @@ class SloBench:
         _at_least(0, roof_gb=self.roof_gb)
 
 
+PROMPT_FORMS = ("ids", "text")
+
+
 @dataclass
 class ServeBench:
-    """Load against the real HTTP server, the workload (conf/workload/) at each concurrency (hybrid/bench/serve.py)."""
+    """Load against the real HTTP server, the workload (conf/workload/) at each concurrency (hybrid/bench/serve.py);
+    or against any OpenAI-compatible endpoint (a replica, a gateway, another server) instead of one of its own."""
     name: str = "serve"
     concurrency: List[int] = field(default_factory=lambda: [1, 2, 4])  # empty: the workload's own
+    endpoint: Optional[str] = None  # a base URL (http://host:port/v1) to drive; null: start a server of our own
+    model: Optional[str] = None  # the model to ask the endpoint for; null: the first it lists
+    prompt: str = "ids"  # ids: random token ids; text: their text (gateways that take text prompts only)
+    metrics: List[str] = field(default_factory=list)  # /metrics URLs whose prefix-cache counters add up (`replicas`:
+    # those of mode=replicas' replicas.*); empty: the endpoint's own
 
     def __post_init__(self) -> None:
         _at_least(1, concurrency=self.concurrency)
+        if self.prompt not in PROMPT_FORMS:
+            raise ValueError(f"bench.prompt must be one of {', '.join(PROMPT_FORMS)}, got {self.prompt!r}")
+        for url in ([self.endpoint] if self.endpoint else []) + [m for m in self.metrics if m != "replicas"]:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"bench.endpoint and bench.metrics take http(s) URLs, got {url!r}")
 
 
 @dataclass

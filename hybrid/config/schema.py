@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from hybrid.config.replicas import ReplicasConfig
 from hybrid.errors import ConfigError
 
 BUILTIN_PROMPT = "The three laws of thermodynamics are"
@@ -22,6 +23,7 @@ class Mode(Enum):
     generate = "generate"
     bench = "bench"
     serve = "serve"
+    replicas = "replicas"
 
 
 class OutputFormat(Enum):
@@ -387,6 +389,7 @@ class HybridConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    replicas: ReplicasConfig = field(default_factory=ReplicasConfig)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -8,7 +8,8 @@ see: TTFT (to the first chunk with text), TPOT and end-to-end latency percentile
     report = run(w, base_url="http://127.0.0.1:8000/v1", vocab_size=129280)     # a plain dict
 
 Prompts are random token ids (exact lengths, no tokenizer needed on the client) sent to /v1/completions with
-`ignore_eos`, so each request generates exactly the output length drawn for it.
+`ignore_eos`, so each request generates exactly the output length drawn for it; or, with `prompts=Prompts.text(tok)`
+(hybrid/serve/prompts.py), the text of such ids, for endpoints that take text prompts only.
 """
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ import math
 import random
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Optional, Union
 
-FIRST_TOKEN_ID = 3  # ids below are often specials (BOS, EOS, padding)
+from hybrid.serve.prompts import FIRST_TOKEN_ID, Prompts
+
+__all__ = ["FIRST_TOKEN_ID", "Prompts", "Result", "Workload", "drive", "plan_requests", "pool", "report", "run"]
 
 
 @dataclass(frozen=True)
@@ -57,25 +60,30 @@ class Result:
     e2e_s: float = 0.0
 
 
-def plan_requests(w: Workload, vocab_size: int) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output tokens) per request, reproducible by the workload's seed."""
-    if vocab_size <= FIRST_TOKEN_ID:
-        raise ValueError(f"vocab_size must be > {FIRST_TOKEN_ID}, got {vocab_size}")
+def pool(vocab: Union[int, Prompts]) -> Prompts:
+    """Prompts of random ids below a vocabulary size, or the Prompts given."""
+    return Prompts.ids(vocab) if isinstance(vocab, int) else vocab
+
+
+def plan_requests(w: Workload, vocab: Union[int, Prompts]) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output tokens) per request, reproducible by the workload's seed (`vocab`: the vocabulary
+    size, or the Prompts to draw from)."""
+    prompts = pool(vocab)
     rng = random.Random(w.seed)
     out = []
     for _ in range(w.requests):
         n = rng.randint(*w.prompt_tokens)
-        out.append(([rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(n)], rng.randint(*w.output_tokens)))
+        out.append((prompts.draw(rng, n), rng.randint(*w.output_tokens)))
     return out
 
 
-async def _one(client, model: str, prompt: list[int], max_tokens: int) -> Result:
+async def _one(client, model: str, prompt: list[int], max_tokens: int, prompts: Prompts) -> Result:
     res = Result(len(prompt), 0)
     t0 = time.perf_counter()
     first = last = None
     try:
         stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+            model=model, prompt=prompts.payload(prompt), max_tokens=max_tokens, temperature=0.0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
@@ -105,15 +113,17 @@ def _percentiles(xs: list[float]) -> dict[str, float]:
 
 
 async def drive(w: Workload, base_url: str, model: Optional[str] = None, api_key: str = "EMPTY",
-                vocab_size: int = 256, timeout_s: float = 600.0) -> dict:
-    """Runs the workload against base_url (…/v1); `model` None: the first the server lists."""
+                vocab_size: int = 256, timeout_s: float = 600.0, prompts: Optional[Prompts] = None) -> dict:
+    """Runs the workload against base_url (…/v1); `model` None: the first the server lists; `prompts` None: random
+    ids below vocab_size."""
     from openai import AsyncOpenAI
 
+    prompts = prompts or Prompts.ids(vocab_size)
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
     try:
         if model is None:
             model = (await client.models.list()).data[0].id
-        todo = plan_requests(w, vocab_size)
+        todo = plan_requests(w, prompts)
         t0 = time.perf_counter()
         if w.concurrency is not None:
             queue = list(reversed(todo))
@@ -122,13 +132,13 @@ async def drive(w: Workload, base_url: str, model: Optional[str] = None, api_key
             async def worker() -> None:
                 while queue:
                     prompt, n = queue.pop()
-                    results.append(await _one(client, model, prompt, n))
+                    results.append(await _one(client, model, prompt, n, prompts))
             await asyncio.gather(*(worker() for _ in range(min(w.concurrency, len(todo)))))
         else:
             rng = random.Random(w.seed + 1)
             tasks = []
             for prompt, n in todo:
-                tasks.append(asyncio.ensure_future(_one(client, model, prompt, n)))
+                tasks.append(asyncio.ensure_future(_one(client, model, prompt, n, prompts)))
                 await asyncio.sleep(rng.expovariate(w.rate))
             results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - t0
@@ -155,6 +165,6 @@ def report(w: Workload, model: str, results: list[Result], duration_s: float) ->
 
 
 def run(w: Workload, base_url: str, model: Optional[str] = None, api_key: str = "EMPTY", vocab_size: int = 256,
-        timeout_s: float = 600.0) -> dict:
+        timeout_s: float = 600.0, prompts: Optional[Prompts] = None) -> dict:
     """`drive` from synchronous code (a fresh event loop)."""
-    return asyncio.run(drive(w, base_url, model, api_key, vocab_size, timeout_s))
+    return asyncio.run(drive(w, base_url, model, api_key, vocab_size, timeout_s, prompts))

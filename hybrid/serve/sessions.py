@@ -8,7 +8,10 @@ re-sends its conversation.
 
 Turn k's prompt is turn k-1's prompt, the ids turn k-1 generated (vLLM's `return_token_ids` extension) and the new
 message's random ids. Every length is drawn up front from the seed and each answer is exactly its drawn length
-(`ignore_eos`), so two runs of one workload send prompts of the same lengths; the ids generated may differ.
+(`ignore_eos`), so two runs of one workload send prompts of the same lengths; the ids generated may differ. With
+text prompts (`prompts=Prompts.text(tok)`, hybrid/serve/prompts.py) the conversation is sent as text and each answer
+is re-sent as a stand-in of as many tokens (a random model's answer does not survive a round trip through text):
+the next turn finds the previous prompt cached, not the answer.
 """
 from __future__ import annotations
 
@@ -16,9 +19,9 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
-from hybrid.serve.load import FIRST_TOKEN_ID, Result, report as load_report
+from hybrid.serve.load import Prompts, Result, pool, report as load_report
 
 
 @dataclass(frozen=True)
@@ -56,12 +59,12 @@ class Turn:
     new_tokens: int
 
 
-def plan_sessions(w: Sessions, vocab_size: int) -> tuple[list[int], list[list[Turn]]]:
-    """(the system prompt's ids, each session's turns), reproducible by the workload's seed."""
-    if vocab_size <= FIRST_TOKEN_ID:
-        raise ValueError(f"vocab_size must be > {FIRST_TOKEN_ID}, got {vocab_size}")
+def plan_sessions(w: Sessions, vocab: Union[int, Prompts]) -> tuple[list[int], list[list[Turn]]]:
+    """(the system prompt's ids, each session's turns), reproducible by the workload's seed (`vocab`: the vocabulary
+    size, or the Prompts to draw from)."""
+    prompts = pool(vocab)
     rng = random.Random(w.seed)
-    system = [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(w.system_tokens)]
+    system = prompts.draw(rng, w.system_tokens)
     sessions = []
     for _ in range(w.sessions):
         turns: list[Turn] = []
@@ -71,8 +74,7 @@ def plan_sessions(w: Sessions, vocab_size: int) -> tuple[list[int], list[list[Tu
             prompt = context + answer + m
             if prompt + o > w.context_tokens:
                 break
-            turns.append(Turn(tuple(rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(m)), o, prompt,
-                              answer + m))
+            turns.append(Turn(tuple(prompts.draw(rng, m)), o, prompt, answer + m))
             context, answer = prompt, o
         sessions.append(turns)
     return system, sessions
@@ -117,21 +119,27 @@ class Run:
         return max((t for t in self.turns if t.ok), key=lambda t: t.prompt_tokens, default=None)
 
 
-async def _turn(client, model: str, prompt: list[int], max_tokens: int) -> TurnResult:
+async def _turn(client, model: str, prompt: list[int], max_tokens: int, prompts: Prompts) -> TurnResult:
+    """One turn streamed; its answer's ids (vLLM's return_token_ids; with text prompts, as many ids as the usage
+    counts where the server has no such extension)."""
     res = TurnResult(len(prompt), 0, prompt=prompt)
     t0 = time.perf_counter()
     first = last = None
+    counted = 0
     try:
         stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
-            extra_body={"ignore_eos": True, "return_token_ids": True})
+            model=model, prompt=prompts.payload(prompt), max_tokens=max_tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
         async for chunk in stream:
+            counted = chunk.usage.completion_tokens if chunk.usage is not None else counted
             ids = getattr(chunk.choices[0], "token_ids", None) if chunk.choices else None
-            if ids:
+            if ids or (chunk.choices and chunk.choices[0].text):
                 last = time.perf_counter()
                 first = first or last
-                res.answer += ids
-        if first is None:
+                res.answer += ids or []
+        if not res.answer and prompts.texts is not None:
+            res.answer = list(range(counted))
+        if first is None or not res.answer:
             raise RuntimeError("no token ids in the stream: the server lacks vLLM's return_token_ids")
     except Exception as e:  # a failed turn counts as an error and ends its session; the run goes on
         res.error = f"{type(e).__name__}: {e}"
@@ -144,11 +152,13 @@ async def _turn(client, model: str, prompt: list[int], max_tokens: int) -> TurnR
 
 
 async def drive(w: Sessions, base_url: str, model: Optional[str] = None, api_key: str = "EMPTY",
-                vocab_size: int = 256, timeout_s: float = 600.0) -> Run:
-    """Runs the sessions against base_url (…/v1); `model` None: the first the server lists."""
+                vocab_size: int = 256, timeout_s: float = 600.0, prompts: Optional[Prompts] = None) -> Run:
+    """Runs the sessions against base_url (…/v1); `model` None: the first the server lists; `prompts` None: random
+    ids below vocab_size."""
     from openai import AsyncOpenAI
 
-    system, plans = plan_sessions(w, vocab_size)
+    prompts = prompts or Prompts.ids(vocab_size)
+    system, plans = plan_sessions(w, prompts)
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
     results: list[TurnResult] = []
 
@@ -156,12 +166,12 @@ async def drive(w: Sessions, base_url: str, model: Optional[str] = None, api_key
         prompt, answer = system, []
         for k, t in enumerate(plans[i]):
             prompt = next_prompt(prompt, answer, t.message)
-            res = await _turn(client, model, prompt, t.output_tokens)
+            res = await _turn(client, model, prompt, t.output_tokens, prompts)
             res.session, res.turn, res.new_tokens = i, k, len(answer) + len(t.message)
             results.append(res)
             if not res.ok:
                 return
-            answer = res.answer
+            answer = prompts.stand_in(res.answer)
 
     queue = list(range(w.sessions))[::-1]
 
@@ -180,6 +190,6 @@ async def drive(w: Sessions, base_url: str, model: Optional[str] = None, api_key
 
 
 def run(w: Sessions, base_url: str, model: Optional[str] = None, api_key: str = "EMPTY", vocab_size: int = 256,
-        timeout_s: float = 600.0) -> Run:
+        timeout_s: float = 600.0, prompts: Optional[Prompts] = None) -> Run:
     """`drive` from synchronous code (a fresh event loop)."""
-    return asyncio.run(drive(w, base_url, model, api_key, vocab_size, timeout_s))
+    return asyncio.run(drive(w, base_url, model, api_key, vocab_size, timeout_s, prompts))
