@@ -47,11 +47,12 @@ def test_a_key_of_another_benchmark_is_refused_naming_the_keys_it_takes():
     """On the command line before Hydra composes (the default benchmark where none is chosen), and appended with
     `+` when the config becomes settings."""
     said = unknown_override(["mode=bench", "bench=decode", "bench.ms=[1]"])
-    assert said == "unknown config key bench.ms: bench=decode takes name, contexts, steps, batch, roof_gb, graph_modes"
+    assert said == ("unknown config key bench.ms: bench=decode takes name, contexts, steps, batch, roof_gb, "
+                    "graph_modes, numa")
     assert unknown_override(["bench.contexts=[1]"]).startswith("unknown config key bench.contexts: bench=kernels")
     assert unknown_override(["bench.ms=[1]"], config="tune").startswith("unknown config key bench.ms: bench=slo")
     assert unknown_override(["bench=decode", "bench.contexts=[1]", "bench.sweep={a:[1]}"]) == (
-        "unknown config key bench.sweep: bench=decode takes name, contexts, steps, batch, roof_gb, graph_modes")
+        "unknown config key bench.sweep: bench=decode takes name, contexts, steps, batch, roof_gb, graph_modes, numa")
     assert unknown_override(["bench=nope", "bench.x=1"]).startswith("bench=nope: no such benchmark (available: ")
     with pytest.raises(ConfigError, match="unknown config key bench.ms: bench=decode takes name, contexts"):
         settings_of(compose(["mode=bench", "bench=decode", "+bench.ms=[1]"]))
