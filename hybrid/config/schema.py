@@ -132,7 +132,7 @@ class CpuPolicy:
     amx_overlap: Optional[bool] = None  # kernel amx: the next weight slab converted while this one's tiles multiply
     # (the same bits either way); null = on
     numa: Optional[bool] = None  # per-node thread pools, each node's share of the experts bound to it; null = on
-    # where the machine (and the profile) has more than one NUMA node
+    # where the machine has more than one NUMA node
     numa_simulated: int = 0  # N >= 2: this machine's CPUs in N groups run as N nodes, memory left where it is (tests)
     numa_split: Optional[List[float]] = None  # each node's share of every MoE layer's expert bytes; null = equal
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from hybrid.config.schema import CpuPolicy, HwConfig
+from hybrid.config.schema import CpuPolicy
 from hybrid.errors import ConfigError
 
 class Numa(NamedTuple):
@@ -15,10 +15,10 @@ class Numa(NamedTuple):
     split: tuple[float, ...] = ()  # per node, its share of each MoE layer's expert bytes
 
 
-def resolve_numa(c: CpuPolicy, hw: HwConfig, machine_nodes: Sequence[Sequence[int]], cpus: int,
-                 threads: int) -> Numa:
-    """cpu.numa on the machine whose NUMA nodes have these CPUs (the probe's; none: one node of `cpus` CPUs):
-    null = on where it and the profile have more than one node; cpu.numa_simulated = N: its CPUs in N groups."""
+def resolve_numa(c: CpuPolicy, machine_nodes: Sequence[Sequence[int]], cpus: int, threads: int) -> Numa:
+    """cpu.numa on the machine whose NUMA nodes have these CPUs (the probe's; none: one node of `cpus` CPUs; the
+    profile's hw.cpu.numa_nodes was checked against it, hybrid/hw/check.py): null = on where it has more than one
+    node; cpu.numa_simulated = N: its CPUs in N groups."""
     if c.numa_simulated:
         if c.numa is False:
             raise ConfigError(f"policy.cpu.numa_simulated={c.numa_simulated} contradicts policy.cpu.numa=false")
@@ -28,12 +28,11 @@ def resolve_numa(c: CpuPolicy, hw: HwConfig, machine_nodes: Sequence[Sequence[in
             raise ConfigError(f"policy.cpu.numa_simulated={n}: this machine has {len(every)} CPU(s) to group")
         nodes = tuple(tuple(every[g * len(every) // n:(g + 1) * len(every) // n]) for g in range(n))
     else:
-        many = len(machine_nodes) > 1 and hw.cpu.numa_nodes > 1
+        many = len(machine_nodes) > 1
         if c.numa and not many:
-            have = max(1, len(machine_nodes))
-            raise ConfigError(f"policy.cpu.numa=true needs more than one NUMA node: this machine has {have} (with "
-                              f"CPUs), the profile {hw.cpu.numa_nodes}; policy.cpu.numa_simulated=2 runs the same "
-                              "paths on two groups of its CPUs")
+            raise ConfigError(f"policy.cpu.numa=true needs more than one NUMA node: this machine has 1 (with CPUs "
+                              "this process may use); policy.cpu.numa_simulated=2 runs the same paths on two groups of "
+                              "its CPUs")
         if c.numa is False or not many:
             return Numa()
         nodes = tuple(tuple(node) for node in machine_nodes)

@@ -48,7 +48,7 @@ def resolve(p: PolicyConfig, hw: HwConfig, args, probe: Probe) -> Plan:
                           "one (set it to 0)")
     kernel = cpu_kernel(p.cpu.kernel, probe)
     threads = p.cpu.threads or hw.cpu.cores or probe.physical_cores
-    numa = resolve_numa(p.cpu, hw, probe.numa_nodes, probe.physical_cores, threads)
+    numa = resolve_numa(p.cpu, probe.numa_nodes, probe.physical_cores, threads)
     cpu = CpuPlan(threads=threads, kernel=kernel,
                   moe_backend=p.cpu.moe_backend, gemm_tile_tokens=gemm_tile_tokens(p, kernel),
                   amx_min_tokens=amx_min_tokens(p), batch_invariant=p.decode.batch_invariant,
