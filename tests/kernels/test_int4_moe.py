@@ -13,7 +13,7 @@ from hybrid.kernels import dispatch
 from hybrid.kernels.moe import CpuMoE
 from tests.kernels.common import bf16, rng_for, seed_note
 from tests.kernels.test_int4_gemm import int4_weights
-from tests.kernels.test_moe import E, TOKENS, check, routing, routing_with_hot
+from tests.kernels.test_moe import E, TOKENS, check, pool_nodes, routing, routing_with_hot  # noqa: F401 (fixture)
 
 VARIANTS = dispatch.available()
 DIMS = [(200, 96), (196, 100), (256, 72)]  # (D, I): ragged groups (D % 32, I % 32), ragged words (196, 100)
@@ -50,14 +50,17 @@ def test_matches_reference(variant, D, I, T):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_hot_expert_and_bf16_out(variant):
-    """One expert in every token's top-k (130 rows), the others a few each; the output in bf16."""
+def test_hot_expert_and_bf16_out(variant, pool_nodes):
+    """One expert in every token's top-k (130 rows), the others a few each; the output in bf16; on a plain pool and
+    on two simulated NUMA nodes."""
     D, I = DIMS[0]
     rng = rng_for("int4-moe-hot", variant)
     x = bf16(rng, (130, D))
     ids, w, _ = routing_with_hot(rng, 130)
     out = torch.full((130, D), float("nan"), dtype=torch.bfloat16)
-    op_for(D, I, variant)(x, ids, w, out)
+    op = op_for(D, I, variant).twin()
+    op.nodes = pool_nodes or op.nodes
+    op(x, ids, w, out)
     check(out, x, ids, w, experts(D, I)["dense"], variant, "int4 hot")
 
 

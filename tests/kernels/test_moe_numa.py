@@ -14,6 +14,7 @@ import torch
 from hybrid.kernels import membw, numa, thread_pool
 from hybrid.kernels.moe import CpuMoE
 from tests.kernels.common import seed_note
+from tests.kernels.test_int4_moe import experts as int4_experts
 from tests.kernels.test_moe import (CONTIGUOUS, CPUS, DIMS, HALVES, E, VARIANTS, WTYPES, _inputs, experts, op_for,
                                     two_nodes as on_two_nodes)
 
@@ -112,18 +113,19 @@ def test_a_group_without_threads_in_a_call_hands_its_experts_on(two_nodes):
     assert op.node_bytes[0] == 0 and op.node_bytes[1] > 0
 
 
-@pytest.mark.parametrize("wtype", WTYPES)
+@pytest.mark.parametrize("wtype", WTYPES + ["int4"])
 def test_each_group_reads_its_experts_bytes(wtype, two_nodes):
     """node_bytes: each group's expert bytes read in the call: every used expert's gate, up and down weights once
-    (and the FP8 block scales of the rows read), on its node's group."""
+    (and their scales: INT4's group scales, FP8's block scales of the rows read), on its node's group."""
     D, I = DIMS[1]
-    ex = experts(wtype, D, I)
+    ex = int4_experts(200, 96) if wtype == "int4" else experts(wtype, D, I)
+    D = 200 if wtype == "int4" else D
     op = CpuMoE(*ex["w"], *ex["s"], nodes=INTERLEAVED)
     x, ids, w = _inputs(("numa-bytes", wtype), 16, D)
     op(x, ids, w)
     want = [0, 0]
     for e in ids.unique().tolist():
-        tensors = [ex["w"][j][e] for j in range(3)] + ([ex["s"][j][e] for j in range(3)] if wtype == "fp8" else [])
+        tensors = [ex["w"][j][e] for j in range(3)] + ([ex["s"][j][e] for j in range(3)] if wtype != "bf16" else [])
         want[INTERLEAVED[e]] += sum(t.numel() * t.element_size() for t in tensors)
     got = op.node_bytes
     if wtype == "fp8":  # a scale row shared by two tasks' rows counts in each: a little more, never less
