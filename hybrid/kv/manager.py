@@ -10,9 +10,9 @@ cache across requests.
   chunk, and at the end of a request with its generated tokens too).
 - `release(slot, ...)`: at the end of a request.
 
-A request served from a cached prefix computes its suffix over the same cached numbers its cold run would have
-written for those positions where both were prefilled in the same chunks (chunk edges at multiples of
-policy.prefill.chunk_tokens, which block edges fall on): tests check the greedy tokens are the cold run's.
+The cached rows are what an earlier request computed for the same tokens at the same positions; where it cut its
+prompt into other chunks, or wrote its answer's rows one decode step at a time, they can differ from a cold
+prefill's in the last bits (docs/design/kv-cache.md: tests hold the greedy tokens to a cold request's).
 """
 from __future__ import annotations
 
