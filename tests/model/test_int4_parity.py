@@ -179,18 +179,18 @@ def test_gpu_stream_loaded_prefill_matches_transformers(any_dir, reference, ring
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_grouped_int4_experts_match_one_at_a_time(kimi_int4_dir):
     """BF16 on the GPU: a layer's experts in groups (the dequantise pass into the group buffer, grouped GEMMs where
-    torch has them) against one at a time (the W4A16 GEMM) and the float64 reference of the layer."""
+    torch has them) and one at a time (the W4A16 GEMM) against the layer in float32 torch."""
     from tests.prefill.test_slp import _layer_inputs, _streamed_layer
 
     model = _gpu_int4_model(kimi_int4_dir, torch.bfloat16)
     x, w, ids = (t.to(GPU) for t in _layer_inputs(model, 7, experts=range(24)))
     x = x.bfloat16()
-    ref = next(m for m in load_model(Checkpoint(kimi_int4_dir), torch.float64, progress=False).modules()
-               if isinstance(m, MoE)).experts(x.double().cpu(), w.double().cpu(), ids.cpu())
-    for group in (1, 24):
+    ref = next(m for m in load_model(Checkpoint(kimi_int4_dir), torch.float32, progress=False).modules()
+               if isinstance(m, MoE)).experts(x.float().cpu(), w.float().cpu(), ids.cpu())
+    for group in (1, 16):  # the ring holds 16 experts
         got, pipe = _streamed_layer(model, group, x, w, ids, device=GPU)
         assert max(pipe.group_sizes) == group
-        assert float((got.double().cpu() - ref).norm() / ref.norm()) < 1e-2, group
+        assert float((got.float().cpu() - ref).norm() / ref.norm()) < 1e-2, group
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
