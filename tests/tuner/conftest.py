@@ -89,7 +89,7 @@ def postgres():
     """A PostgreSQL server for the session; `database(server)` makes a fresh database and returns its URL."""
     pgserver = pytest.importorskip("pgserver", reason="pgserver (the test extra) starts PostgreSQL")
     pytest.importorskip("psycopg", reason="psycopg (the test extra) is the driver")
-    home = tempfile.mkdtemp(prefix="pg", dir="/tmp")  # short: the server's socket path must fit 107 bytes
+    home = tempfile.mkdtemp(prefix="pg", dir="/tmp")  # short: a unix socket path has a small length limit
     try:
         server = pgserver.get_server(home, cleanup_mode="delete")
     except Exception as e:  # noqa: BLE001 - no PostgreSQL here: skip, naming why
