@@ -61,7 +61,8 @@ def test_bad_input_gets_one_clear_line(runs, tmp_path):
     assert p.returncode == 2 and "policy.prefill.ring_len" in p.stderr and "Traceback" not in p.stderr
     p = hybrid("policy.kv.max_contxt=1", tmp_path=runs)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
-        "error: unknown config key policy.kv.max_contxt (known: max_batch, max_context)"]
+        "error: unknown config key policy.kv.max_contxt (known: block_tokens, cache_gb, host_cache_gb, max_batch, "
+        "max_context, prefix_cache)"]
     p = hybrid("policy.max_context=128", tmp_path=runs)  # a flat key of before: its path now
     assert p.returncode == 2 and "now policy.kv.max_context" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     p = hybrid("mode=bench", "bench=decode", "bench.ms=[1]", tmp_path=runs)  # a key of bench=kernels
