@@ -38,6 +38,10 @@ class ReplicaError(HybridError):
     """A replica or the gateway failed to start or stopped on its own."""
 
 
+class _Stopped(Exception):
+    """Ctrl-C or SIGTERM before everything was ready."""
+
+
 @dataclass
 class Proc:
     name: str
@@ -129,6 +133,8 @@ def run(s: HybridConfig, overrides: Optional[list[str]] = None) -> dict:
                                          f"port {s.replicas.prometheus_port}; log {gateway.log})" if gateway else ""),
               file=sys.stderr, flush=True)
         _serve(procs + ([gateway] if gateway else []), stop)
+    except _Stopped:
+        print("stopped before everything was ready", file=sys.stderr)
     finally:
         stop.restore()
         _stop_all(([gateway] if gateway else []) + procs)
@@ -165,7 +171,9 @@ def _wait_ready(p: Proc, path: str, key: Optional[str], timeout_s: float, stop: 
 
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     end = time.monotonic() + timeout_s
-    while not stop.asked:
+    while True:
+        if stop.asked:
+            raise _Stopped
         _check_alive(watched)
         try:
             r = httpx.get(p.url + path, headers=headers, timeout=5)
@@ -174,7 +182,7 @@ def _wait_ready(p: Proc, path: str, key: Optional[str], timeout_s: float, stop: 
         except (httpx.HTTPError, ValueError):
             pass
         if time.monotonic() > end:
-            raise ReplicaError(f"{p.name} ({p.url}) not ready within {timeout_s:.0f} s (replicas.ready_timeout_s); "
+            raise ReplicaError(f"{p.name} ({p.url}) not ready within {timeout_s:g} s (replicas.ready_timeout_s); "
                                f"its log {p.log} ends:\n{p.tail()}")
         time.sleep(POLL_S)
 

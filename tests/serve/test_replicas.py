@@ -50,3 +50,38 @@ def test_checks_before_anything_starts(monkeypatch):
     monkeypatch.setattr(replicas.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="pip install sglang-router"):
         replicas.gateway_command(_s("replicas.gateway=sglang"), None)
+
+
+def _launch(tmp_path, tiny_dir, *overrides):
+    import os
+    import subprocess
+
+    from tests.serve.deploy import ROOT, free_ports
+
+    base = free_ports(3)
+    env = {**os.environ, "HYBRID_RUNS_DIR": str(tmp_path), "HYBRID_TRACKING": "0"}
+    return subprocess.Popen([sys.executable, "-m", "hybrid", "mode=replicas", "replicas.gateway=none",
+                             f"replicas.base_port={base + 1}", f"server.port={base}", f"model.path={tiny_dir}",
+                             "model.dtype=float32", *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_a_replica_not_ready_in_time_stops_the_rest(tmp_path, tiny_dir):
+    p = _launch(tmp_path, tiny_dir, "replicas.ready_timeout_s=0.5")
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and "not ready within 0.5 s" in err and "Traceback" not in err, err[-2000:]
+    logs = list(tmp_path.glob("replicas/*/*/replica-0.log"))
+    assert len(logs) == 1
+
+
+def test_sigterm_while_starting_stops_them_cleanly(tmp_path, tiny_dir):
+    import signal
+    import time
+
+    p = _launch(tmp_path, tiny_dir)
+    end = time.monotonic() + 60
+    while not list(tmp_path.glob("replicas/*/*/replica-1.log")) and time.monotonic() < end:
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and "stopped before everything was ready" in err, err[-2000:]
