@@ -3,7 +3,8 @@
     app = create_app(engine, ServerConfig(), "tiny")        # or create_app(loader, ...): loader() builds the engine
     # POST /v1/chat/completions, POST /v1/completions (hybrid/serve/completions.py; stream: server-sent events),
     # GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics (Prometheus), GET /openapi.json,
-    # GET /docs (Swagger UI from the swagger-ui-bundle package: no network needed)
+    # GET /docs (Swagger UI from the swagger-ui-bundle package: no network needed); what the SGLang and vLLM
+    # gateways call on a worker (hybrid/serve/worker_api.py); X-Request-Id on every response (gateway.py)
 
 The engine runs on its own thread (hybrid/serve/loop.py); the handlers only queue requests and await their outputs;
 tokenising and chat templates run on a small thread pool (Service.offload). Every error is OpenAI's body
