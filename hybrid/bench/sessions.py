@@ -9,7 +9,9 @@ Records:
   TTFT with the cache off, and `ttft_off_over_on` at that turn;
 - `prefix_cache_hit_rate` of each run: cached prompt tokens / prompt tokens looked up, from the server's /metrics
   counters (null, and no record, where the server has none);
-- the load driver's aggregates of each run (hybrid/bench/serve.py records_of), tagged `prefix_cache`.
+- the load driver's aggregates of each run (hybrid/bench/serve.py records_of), tagged `prefix_cache`;
+- on a GPU with a host tier, `ttft_host_tier_hit_s`: a prompt of the longest turn's context served from the host tier
+  against the same prompt cold (`hybrid.bench.prefix.host_tier_hit`, `of_cold` beside it).
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ def run(s: HybridConfig) -> Records:
     w = sessions_workload(s)
     name = s.server.model_name or s.model.name
     cfg = replace(s.server, max_waiting=max(s.server.max_waiting, w.sessions))
-    runs, hits, plan, bound = {}, {}, None, None
+    runs, hits, plan, bound, host = {}, {}, None, None, None
     for on in (True, False):
         engine = build(with_prefix_cache(s, on), s.hw, progress=False)
         plan = plan or engine.plan.params()
@@ -79,11 +81,18 @@ def run(s: HybridConfig) -> Records:
             hits[on] = hit_rate(before, counters(srv.url, key))
         if on:
             bound = suffix_bound(engine, runs[on].largest())
+            host = host_tier(engine, runs[on].largest())
         del engine, app, srv
         _release()
     rep_on, rep_off = runs[True].report(), runs[False].report()
     print(turn_table(rep_on["turns"], rep_off["turns"], runs[True].largest(), bound), file=sys.stderr)
-    return Records(records_of(runs[True], runs[False], hits, bound), {"plan": plan})
+    records = records_of(runs[True], runs[False], hits, bound)
+    if host is not None:
+        print(f"host tier: {host['context_tokens']} tokens from the host tier {host['host_hit_s']:.3f} s to the first "
+              f"token, cold {host['cold_s']:.3f} s ({host['host_hit_s'] / host['cold_s']:.1%})", file=sys.stderr)
+        records.append(Record("ttft_host_tier_hit_s", host["host_hit_s"], "s", None, host["context_tokens"],
+                              extra={**host, "of_cold": host["host_hit_s"] / host["cold_s"]}))
+    return Records(records, {"plan": plan})
 
 
 def warm_up(base_url: str, model: str, api_key: str, w, vocab_size: int, prompts=None) -> None:
@@ -140,6 +149,16 @@ without a turn that has both."""
         return None
     cut = len(turn.prompt) - turn.new_tokens
     return suffix_prefill_s(engine, turn.prompt[:cut], turn.prompt[cut:])
+
+
+def host_tier(engine, turn) -> Optional[dict]:
+    """On a GPU with a host tier: a prompt of the longest turn's context served from the host tier against the same
+    cold (hybrid.bench.prefix.host_tier_hit); None elsewhere (on the CPU the pool is host memory already)."""
+    if turn is None or engine.device.type != "cuda" or engine.kv.host is None:
+        return None
+    from hybrid.bench.prefix import host_tier_hit
+
+    return host_tier_hit(engine, len(turn.prompt) - 256, 256)
 
 
 def _release() -> None:
