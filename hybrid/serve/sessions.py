@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -169,6 +170,8 @@ async def drive(w: Sessions, base_url: str, model: Optional[str] = None, api_key
             res = await _turn(client, model, prompt, t.output_tokens, prompts)
             res.session, res.turn, res.new_tokens = i, k, len(answer) + len(t.message)
             results.append(res)
+            print(f"  session {i} turn {k}: context {len(prompt)}, {res.new_tokens} new, "
+                  + (f"TTFT {res.ttft_s:.3f} s" if res.ok else f"failed: {res.error}"), file=sys.stderr, flush=True)
             if not res.ok:
                 return
             answer = prompts.stand_in(res.answer)
