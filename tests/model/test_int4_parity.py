@@ -205,7 +205,8 @@ def test_gpu_engine_matches_transformers_greedy(kimi_int4_dir, tmp_path):
     s = to_settings(compose(["+hw=h200_xeon16", "policy=default", "policy.adapt_to_hardware=true",
                              "model=tiny_kimi_int4", f"model.path={kimi_int4_dir}", "model.dtype=float32",
                              "policy.prefill.slp_cutoff_tokens=16", "policy.gpu.experts_per_layer=4",
-                             "policy.kv.max_batch=1", "policy.kv.max_context=128", "policy.decode.cuda_graphs=off"]))
+                             "policy.kv.max_batch=1", "policy.decode.batch_cap=1", "policy.kv.max_context=128",
+                             "policy.decode.cuda_graphs=off"]))
     engine = build(s, s.hw, progress=False)
     assert engine.device.type == "cuda" and engine.runner.long_prefill is not None and engine.hot
     ref = reference_model(kimi_int4_dir, tmp_path / "ref")
