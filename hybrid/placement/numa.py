@@ -15,7 +15,6 @@ from torch import nn
 
 from hybrid.kernels import numa
 from hybrid.placement.passes import CpuExperts, cpu_experts
-from hybrid.plan.plan import CpuPlan
 from hybrid.prefill.ring import expert_tensors
 
 _SAID: set[str] = set()  # what was said once in this process
@@ -43,9 +42,9 @@ def runs(nodes: Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def split(model: nn.Module, cpu: CpuPlan) -> bool:
-    """Every MoE layer on the CPU kernels told each expert's node (cpu.numa_split; nothing where NUMA is off);
-    whether their memory is to be bound to the nodes (the machine's own nodes, not simulated ones)."""
+def split(model: nn.Module, cpu) -> bool:
+    """Every MoE layer on the CPU kernels told each expert's node (cpu: the plan's CpuPlan; cpu.numa_split;
+    nothing where NUMA is off); whether their memory is to be bound to the nodes (the machine's own nodes, not simulated ones)."""
     if not cpu.numa:
         return False
     for layer in cpu_experts(model):
@@ -91,8 +90,8 @@ def on_own_node(model: nn.Module, samples: int = 8) -> Optional[float]:
     return on / known if known else None
 
 
-def describe(model: nn.Module, cpu: CpuPlan) -> str:
-    """The placement's line: a layer's split, and where the experts' pages are."""
+def describe(model: nn.Module, cpu) -> str:
+    """The placement's line (cpu: the plan's CpuPlan): a layer's split, and where the experts' pages are."""
     experts = " | ".join(f"node {node}: {first}-{end - 1}" for node, first, end in runs(cpu_experts(model)[0].nodes))
     line = f"routed experts: each MoE layer's split over {len(cpu.numa_nodes)} nodes by bytes ({experts})"
     if cpu.numa_simulated:
