@@ -44,7 +44,8 @@ def runs(nodes: Sequence[int]) -> list[tuple[int, int, int]]:
 
 def split(model: nn.Module, cpu) -> bool:
     """Every MoE layer on the CPU kernels told each expert's node (cpu: the plan's CpuPlan; cpu.numa_split;
-    nothing where NUMA is off); whether their memory is to be bound to the nodes (the machine's own nodes, not simulated ones)."""
+    nothing where NUMA is off); whether their memory is to be bound to the nodes (the machine's own nodes, not
+    simulated ones)."""
     if not cpu.numa:
         return False
     for layer in cpu_experts(model):
