@@ -93,7 +93,9 @@ def test_each_expert_runs_on_its_own_groups_threads(two_nodes):
         assert all(group == CONTIGUOUS[e] for e, _, _, _, group, _, _ in tasks), tasks
         workers = [(group, cpu) for *_, group, worker, cpu in tasks if worker >= 0]
         assert workers and all(cpu in HALVES[group] for group, cpu in workers), workers  # pinned to their node
-        assert {group for group, _ in workers} == {0, 1}
+        # a call's caller may take its node's tasks before that node's workers wake: both groups' workers only when
+        # the workers do everything (submit)
+        assert how == "call" or {group for group, _ in workers} == {0, 1}
         assert how == "call" or all(worker >= 0 for *_, worker, _ in tasks), "submit: the workers alone"
 
 
