@@ -40,12 +40,14 @@ def op_for(D: int, I: int, variant: str) -> CpuMoE:
 @pytest.mark.parametrize("T", TOKENS)
 @pytest.mark.parametrize("D,I", DIMS, ids=[f"D{d}-I{i}" for d, i in DIMS])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_matches_reference(variant, D, I, T):
+def test_matches_reference(variant, D, I, T, pool_nodes):
     rng = rng_for("int4-moe", variant, D, I, T)
     x = torch.from_numpy(rng.standard_normal((T, D)).astype("float32"))
     ids, w = routing(rng, T)
     out = torch.full((T, D), float("nan"))
-    assert op_for(D, I, variant)(x, ids, w, out) is out
+    op = op_for(D, I, variant).twin() if pool_nodes else op_for(D, I, variant)
+    op.nodes = pool_nodes or op.nodes
+    assert op(x, ids, w, out) is out
     check(out, x, ids, w, experts(D, I)["dense"], variant, "int4")
 
 
@@ -65,9 +67,10 @@ def test_hot_expert_and_bf16_out(variant, pool_nodes):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_submit_wait_equals_call(variant):
+def test_submit_wait_equals_call(variant, pool_nodes):
     D, I = DIMS[1]
-    op = op_for(D, I, variant)
+    op = op_for(D, I, variant).twin() if pool_nodes else op_for(D, I, variant)
+    op.nodes = pool_nodes or op.nodes
     for T in (1, 16):
         rng = rng_for("int4-moe-async", variant, T)
         x, (ids, w) = bf16(rng, (T, D)), routing(rng, T)
