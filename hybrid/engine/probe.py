@@ -19,6 +19,9 @@ from hybrid.prefill.slp import grouped_gemm_missing
 from hybrid.engine.streams import green_contexts
 
 
+NUMA_SIMULATED_ENV = "HYBRID_NUMA_SIMULATED"  # N: every plan's policy.cpu.numa_simulated defaults to N (test runs)
+
+
 def probe(hw: HwConfig, dtype: torch.dtype = torch.bfloat16, cpu_peer: bool = False) -> Probe:
     """This machine as a plan on profile hw needs it (the CUDA checks only where a GPU computes), for a model
     computing in dtype. cpu_peer: the two-GPU mode's stand-in on the CPU (the tests')."""
@@ -27,7 +30,8 @@ def probe(hw: HwConfig, dtype: torch.dtype = torch.bfloat16, cpu_peer: bool = Fa
     out = Probe(physical_cores=machine.physical_cores, cpu_missing={v: _missing(v) for v in VARIANTS},
                 kernel_env=os.environ.get(ENV), cuda=cuda, cpu_peer=cpu_peer,
                 grouped_gemm=grouped_gemm_missing(torch.device("cuda" if cuda else "cpu"), dtype) is None,
-                numa_nodes=tuple(node.cpus for node in machine.nodes))
+                numa_nodes=tuple(node.cpus for node in machine.nodes),
+                numa_simulated=int(os.environ.get(NUMA_SIMULATED_ENV) or 0))
     if not cuda:
         return out
     device = torch.device("cuda", 0)

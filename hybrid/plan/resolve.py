@@ -34,6 +34,7 @@ class Probe:
     grouped_gemm: bool = False  # torch has a grouped GEMM for the model's activations on the device
     cpu_peer: bool = False  # the two-GPU mode's stand-in on the CPU (tests): the prefill peer on the CPU too
     numa_nodes: tuple[tuple[int, ...], ...] = ()  # each NUMA node's CPUs this process may use (none: one node)
+    numa_simulated: int = 0  # HYBRID_NUMA_SIMULATED: policy.cpu.numa_simulated's default (a whole test run on N groups)
 
 
 def resolve(p: PolicyConfig, hw: HwConfig, args, probe: Probe) -> Plan:
@@ -48,7 +49,10 @@ def resolve(p: PolicyConfig, hw: HwConfig, args, probe: Probe) -> Plan:
                           "one (set it to 0)")
     kernel = cpu_kernel(p.cpu.kernel, probe)
     threads = p.cpu.threads or hw.cpu.cores or probe.physical_cores
-    numa = resolve_numa(p.cpu, probe.numa_nodes, probe.physical_cores, threads)
+    cpu_policy = p.cpu
+    if probe.numa_simulated and not cpu_policy.numa_simulated and cpu_policy.numa is not False:
+        cpu_policy = replace(cpu_policy, numa_simulated=probe.numa_simulated)
+    numa = resolve_numa(cpu_policy, probe.numa_nodes, probe.physical_cores, threads)
     cpu = CpuPlan(threads=threads, kernel=kernel,
                   moe_backend=p.cpu.moe_backend, gemm_tile_tokens=gemm_tile_tokens(p, kernel),
                   amx_min_tokens=amx_min_tokens(p), batch_invariant=p.decode.batch_invariant,

@@ -80,13 +80,26 @@ def _bound_or_skip(rc: int) -> None:
     assert rc == 0, numa_calls.why(rc)
 
 
+def _rss() -> int:
+    """This process's resident bytes (/proc/self/status VmRSS)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 def test_experts_bound_in_place_move_no_byte(model):
-    """The checkpoint's mapped pages bound where they are: every address the same, the pages on the node."""
+    """The checkpoint's mapped pages bound where they are: every address the same, the pages on the node, and the
+    process's resident memory grown by far less than the experts' bytes (a second copy would add all of them)."""
     before = _addresses(model)
+    tensors = [t for layer in cpu_experts(model) for e in layer.host_experts for _, t in expert_tensors(e)]
+    expert_bytes = sum(t.nbytes for t in tensors)
+    for t in tensors:  # every page resident before the count
+        t.view(torch.uint8).max()
+    rss = _rss()
     assert numa.split(model, ONE_NODE)
     assert all(layer.nodes == [0] * len(layer.host_experts) for layer in cpu_experts(model))
     _bound_or_skip(numa.bind_experts(model))
     assert _addresses(model) == before, "binding copied an expert"
+    assert _rss() - rss < expert_bytes / 4, f"resident memory grew {(_rss() - rss) / 1e6:.2f} MB on binding"
     assert numa.on_own_node(model) == 1.0
     assert "100% of their sampled pages on their own node" in numa.describe(model, ONE_NODE)
 

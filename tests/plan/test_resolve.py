@@ -224,3 +224,7 @@ def test_simulated_numa_groups_this_machines_cpus():
         resolve(policy(cpu__numa_simulated=9), _hw(), ARGS, CPU)
     with pytest.raises(ConfigError, match=r"numa_simulated must be 0 \(off\) or >= 2"):
         policy(cpu__numa_simulated=1)
+    # HYBRID_NUMA_SIMULATED (the probe's numa_simulated): every plan's default, a whole test run on N groups
+    env = replace(CPU, numa_simulated=2)
+    assert resolve(policy(cpu__threads=4), _hw(), ARGS, env).cpu.numa_nodes == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert not resolve(policy(cpu__numa=False), _hw(), ARGS, env).cpu.numa  # the policy's false still wins
