@@ -27,11 +27,12 @@ def test_replan_keeps_the_model_and_applies_the_knobs(settings):
     s = settings
     engine = build(s, s.hw, progress=False)
     want = engine.generate([list(range(3, 40))], SamplingParams(8))[0].output_ids
-    s2 = replace(s, policy=checked(s.policy, {"decode.batch_cap": 4, "prefill.chunk_tokens": 16, "cpu.threads": 1,
-                                              "cpu.gemm_tile_tokens": 8}))
+    fewest = max(1, len(engine.plan.cpu.numa_nodes))  # one thread, or one per NUMA node (HYBRID_NUMA_SIMULATED)
+    s2 = replace(s, policy=checked(s.policy, {"decode.batch_cap": 4, "prefill.chunk_tokens": 16,
+                                              "cpu.threads": fewest, "cpu.gemm_tile_tokens": 8}))
     again = replan(engine, s2, s.hw)
     assert again.model is engine.model and again.cache is engine.cache
-    assert (again.plan.decode.batch_cap, again.plan.prefill.chunk_tokens, again.plan.cpu.threads) == (4, 16, 1)
+    assert (again.plan.decode.batch_cap, again.plan.prefill.chunk_tokens, again.plan.cpu.threads) == (4, 16, fewest)
     assert again.scheduler.batch_cap == 4 and again.scheduler.chunk_tokens == 16
     got = again.generate([list(range(3, 40))], SamplingParams(8))[0].output_ids
     assert got[:4] == want[:4]  # chunked differently: the same first tokens (last bits may differ)
