@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from hybrid.bench import bounds, sweep, timeline
 from hybrid.bench.decode import FULL_MOE_LAYERS
 from hybrid.bench.gpu_profile import gpu_times
-from hybrid.bench.records import Record, Records
+from hybrid.bench.records import Record, Records, save_log_plot
 from hybrid.bench.timing import cuda_seconds
 from hybrid.config.bench import label, points
 from hybrid.config.compose import RUNS_DIR
@@ -214,12 +214,7 @@ def plot(records: list[Record], png) -> None:
     cross = crossover(series["slp_ttft"], series["cpu_path_ttft"])
     if cross:
         ax.axvline(cross, linestyle="--", color="grey", label=f"crossover ≈ {cross:.0f} tokens")
-    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="TTFT (s)", title="Prefill TTFT")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_log_plot(fig, ax, png, "prompt tokens", "TTFT (s)", "Prefill TTFT")
 
 
 def crossover(slp: list[tuple[int, float]], cpu: list[tuple[int, float]]):

@@ -68,3 +68,16 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v)
+
+
+def save_log_plot(fig, ax, png: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    """A one-panel log-log plot finished (labels, grid, legend) and written to png; the figure closed."""
+    import matplotlib.pyplot as plt
+
+    ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png

@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from hybrid.bench.records import Record, Records
+from hybrid.bench.records import Record, Records, save_log_plot
 from hybrid.config.bench import policy_keys, with_knobs
 from hybrid.config.schema import HybridConfig
 from hybrid.errors import ConfigError
@@ -264,10 +264,4 @@ def plot(records: list[Record], png: Path) -> Optional[Path]:
     for r in records:
         if r.name == "ttft_longest_s" and r.bound:
             ax.plot([r.m], [r.bound], "k_", ms=14, label="longest turn: its new tokens' prefill")
-    ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="TTFT (s)", title="Multi-turn TTFT")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return png
+    return save_log_plot(fig, ax, png, "context tokens", "TTFT (s)", "Multi-turn TTFT")
